@@ -1,0 +1,17 @@
+"""edgespec: lossless speculative decoding for local LLMs (llama.cpp, MLX).
+
+    import edgespec
+    with edgespec.load("smollm2", drafter="ngram") as engine:
+        print(engine.generate("Hello", max_tokens=64).text)
+"""
+
+from __future__ import annotations
+
+from edgespec.api import load
+from edgespec.engine import Chunk, Engine, Generation
+from edgespec.errors import EdgespecError
+from edgespec.sampling import SamplingParams
+from edgespec.stats import Stats
+
+__version__ = "0.1.0"
+__all__ = ["load", "Engine", "Chunk", "Generation", "Stats", "SamplingParams", "EdgespecError", "__version__"]

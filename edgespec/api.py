@@ -1,0 +1,82 @@
+"""`edgespec.load`: model files (or known model names) → a ready Engine."""
+
+from __future__ import annotations
+
+import os
+
+from edgespec.backends.base import Backend
+from edgespec.drafters.base import Drafter
+from edgespec.engine import Engine
+from edgespec.errors import EdgespecError
+
+BACKENDS = ("llama.cpp",)
+
+
+def open_backend(model: str | os.PathLike, backend: str = "llama.cpp", **options) -> Backend:
+    """Open one model file (or known model name) on a backend."""
+    from edgespec.models import resolve_model
+
+    if backend not in BACKENDS:
+        raise EdgespecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+
+    return LlamaCppBackend(resolve_model(str(model)), **options)
+
+
+def load(
+    target: str | os.PathLike | None = None,
+    drafter: str | os.PathLike | None = "ngram",
+    *,
+    backend: str = "llama.cpp",
+    n_ctx: int = 4096,
+    threads: int | None = None,
+    n_gpu_layers: int = 0,
+    num_draft: int = 4,
+    verbose: bool = False,
+) -> Engine:
+    """Load a target model and a drafter.
+
+    Args:
+        target: GGUF path or known model name (see `edgespec models list`); default SmolLM2-135M-Instruct.
+        drafter: None (plain decoding), "ngram" (prompt lookup), or a same-vocabulary GGUF path/name.
+        backend: "llama.cpp".
+        n_ctx: context size in tokens (target and draft model).
+        threads: CPU threads (default: up to 8).
+        n_gpu_layers: layers offloaded on CUDA/Metal builds of llama.cpp (-1 = all).
+        num_draft: γ, the default number of draft tokens per cycle.
+        verbose: show the backend's own log.
+
+    Returns:
+        An Engine (use it as a context manager, or call close()).
+    """
+    from edgespec.models import DEFAULT_TARGET
+
+    options = dict(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+    tgt = open_backend(target or DEFAULT_TARGET, backend, **options)
+    try:
+        return Engine(tgt, make_drafter(drafter, tgt, backend, **options), num_draft=num_draft)
+    except BaseException:
+        tgt.close()
+        raise
+
+
+def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str = "llama.cpp",
+                 **options) -> Drafter | None:
+    """None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → prompt lookup; else a draft model."""
+    if spec is None or str(spec).lower() == "none":
+        return None
+    text = str(spec)
+    if text == "ngram" or text.startswith("ngram:"):
+        from edgespec.drafters.ngram import NgramDrafter
+
+        sizes = [int(s) for s in text.split(":")[1:]]
+        return NgramDrafter(*sizes)
+    from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
+
+    model = open_backend(text, backend, **options)
+    try:
+        check_vocab_compatible(target, model)
+    except BaseException:
+        model.close()
+        raise
+    return DraftModelDrafter(model, target.n_vocab)

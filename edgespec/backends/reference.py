@@ -1,0 +1,86 @@
+"""A tiny numpy language model whose next-token distribution is known exactly.
+
+The oracle for losslessness tests: logits depend on the last two tokens through seeded tables,
+so any sequence's probability can be enumerated, and 10⁵ generations take seconds. Token i is
+the letter chr(ord('a') + i); tokenize maps letters back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.backends.base import LogitRows, VocabInfo
+from edgespec.errors import BackendError, ContextOverflowError
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, n_vocab: int = 8, seed: int = 0, scale: float = 1.5, n_ctx: int = 512,
+                 eos_id: int | None = None, _tables: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        if not 2 <= n_vocab <= 26:
+            raise ValueError(f"n_vocab must be in [2, 26] (got {n_vocab})")
+        rng = np.random.default_rng(seed)
+        self.w1, self.w2 = _tables or (rng.normal(0, scale, (n_vocab, n_vocab)),
+                                       rng.normal(0, scale / 2, (n_vocab + 1, n_vocab)))
+        self.path = f"reference(n_vocab={n_vocab}, seed={seed})"
+        self.n_vocab, self.n_ctx = n_vocab, n_ctx
+        self.bos_id, self.eos_id, self.add_bos = None, eos_id, False
+        self._tokens: list[int] = []
+        self.n_evals = 0  # forward passes, for tests
+
+    def perturbed(self, eps: float, seed: int = 1) -> ReferenceBackend:
+        """A same-vocabulary model with tables moved by eps·N(0,1): a drafter of tunable quality."""
+        rng = np.random.default_rng(seed)
+        tables = (self.w1 + eps * rng.normal(size=self.w1.shape), self.w2 + eps * rng.normal(size=self.w2.shape))
+        return ReferenceBackend(self.n_vocab, n_ctx=self.n_ctx, eos_id=self.eos_id, _tables=tables)
+
+    def next_logits(self, context: Sequence[int]) -> npt.NDArray[np.float32]:
+        """Exact next-token logits (V,) after `context` (which must be non-empty)."""
+        prev2 = context[-2] if len(context) >= 2 else self.n_vocab  # row n_vocab = "no token"
+        return (self.w1[context[-1]] + self.w2[prev2]).astype(np.float32)
+
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        ids = [ord(c) - ord("a") for c in text]
+        bad = [c for c, i in zip(text, ids) if not 0 <= i < self.n_vocab]
+        if bad:
+            raise BackendError(f"reference vocabulary has letters a..{chr(ord('a') + self.n_vocab - 1)} (got {bad[0]!r})")
+        return ids
+
+    def token_to_bytes(self, token: int) -> bytes:
+        return b"" if token == self.eos_id else chr(ord("a") + token).encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == self.eos_id
+
+    def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"{self.n_past} + {len(tokens)} tokens exceed the context of {self.n_ctx}")
+        start = len(self._tokens)
+        self._tokens.extend(int(t) for t in tokens)
+        self.n_evals += 1
+        want = {"none": range(0), "last": range(len(self._tokens) - 1, len(self._tokens)),
+                "all": range(start, len(self._tokens))}[rows]
+        out = np.empty((len(want), self.n_vocab), np.float32)
+        for r, i in enumerate(want):
+            out[r] = self.next_logits(self._tokens[: i + 1])
+        return out
+
+    def truncate(self, n_past: int) -> None:
+        del self._tokens[n_past:]
+
+    def vocab_fingerprint(self) -> VocabInfo:
+        return VocabInfo(0, self.n_vocab, False, None, False, self.eos_id, lambda i: chr(ord("a") + i))
+
+    def metadata(self, key: str) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._tokens = []

@@ -1,0 +1,109 @@
+"""Everything the CLI prints. The only module that imports `rich`.
+
+Generated text goes to stdout unstyled (so `edgespec generate ... > out.txt` captures just the
+text); status, stats and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from edgespec.stats import Stats
+
+_SEP = " · "
+
+
+def _stderr() -> Console:
+    # Built per call: CliRunner swaps sys.stderr between invocations, and a Console keeps its file.
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def write_text(text: str) -> None:
+    """Stream generated text to stdout as it arrives."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def end_text() -> None:
+    """Finish the streamed text with a newline (before stderr lines follow)."""
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def status(message: str) -> None:
+    """A dim progress/status line on stderr."""
+    _stderr().print(f"[dim]{escape(message)}[/dim]")
+
+
+def print_error(message: object) -> None:
+    """`error: <message>` in red on stderr, always one line."""
+    line = " ".join(str(message).split()) or type(message).__name__
+    _stderr().print(f"[bold red]error:[/bold red] [red]{escape(line)}[/red]")
+
+
+def format_stats(stats: Stats) -> str:
+    """One line: tokens, decode tok/s, and for speculative runs τ and acceptance rate."""
+    parts = [f"{stats.n_tokens} tokens", f"{stats.tok_per_s:.1f} tok/s"]
+    if stats.n_drafted:
+        parts += [f"τ {stats.tau:.2f}", f"acceptance {stats.acceptance_rate:.0%}"]
+    return _SEP.join(parts)
+
+
+def print_stats(stats: Stats, *, prefix: str = "", note: str = "") -> None:
+    """The stats line on stderr, e.g. `120 tokens · 210.4 tok/s · τ 2.31 · acceptance 52%`."""
+    line = (f"{prefix}: " if prefix else "") + format_stats(stats) + (f"{_SEP}{note}" if note else "")
+    _stderr().print(f"[cyan]{escape(line)}[/cyan]")
+
+
+def format_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None) -> str:
+    """One line comparing a speculative run with plain decoding of the same prompt."""
+    speedup = spec.tok_per_s / plain.tok_per_s if plain.tok_per_s > 0 else 0.0
+    parts = [f"{spec.n_tokens} tokens", f"spec {spec.tok_per_s:.1f} tok/s", f"τ {spec.tau:.2f}",
+             f"acceptance {spec.acceptance_rate:.0%}", f"plain {plain.tok_per_s:.1f} tok/s",
+             f"speedup {speedup:.2f}×"]
+    if identical is not None:
+        parts.append("output identical to plain" if identical else "output DIFFERS from plain")
+    return _SEP.join(parts)
+
+
+def print_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None) -> None:
+    _stderr().print(f"[bold cyan]{escape(format_comparison(spec, plain, identical=identical))}[/bold cyan]")
+
+
+def interrupted() -> None:
+    """Mark a reply that Ctrl-C cut short."""
+    _stderr().print("[yellow]\\[interrupted][/yellow]")
+
+
+def prompt(label: str = "you") -> str:
+    """Read one line of user input (raises EOFError on Ctrl-D, KeyboardInterrupt on Ctrl-C)."""
+    console = _stderr()
+    console.print(f"[bold green]{escape(label)}>[/bold green] ", end="")
+    return input()
+
+
+def assistant_label(label: str = "assistant") -> None:
+    _stderr().print(f"[bold magenta]{escape(label)}>[/bold magenta] ", end="")
+
+
+def print_help(lines: Iterable[tuple[str, str]]) -> None:
+    """Two-column help (command, what it does) on stderr."""
+    console = _stderr()
+    for cmd, text in lines:
+        console.print(f"  [bold]{escape(cmd)}[/bold]  {escape(text)}")
+
+
+def print_table(columns: Sequence[str], rows: Iterable[Sequence[object]], *, title: str | None = None) -> None:
+    """A table on stdout (e.g. `edgespec models list`)."""
+    table = Table(title=title, header_style="bold")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(escape(str(v)) for v in row))
+    Console(file=sys.stdout).print(table)

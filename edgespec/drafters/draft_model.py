@@ -1,0 +1,89 @@
+"""A same-vocabulary draft model on its own backend context."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgespec.backends.base import Backend
+from edgespec.drafters.base import Draft
+from edgespec.errors import ContextOverflowError, VocabMismatchError
+from edgespec.sampling import SamplingParams, process, sample
+
+# llama.cpp common/speculative.cpp: vocab sizes may differ by this much; token texts are compared
+# from this id on (ids below are control tokens that models number differently).
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+VOCAB_CHECK_START_TOKEN_ID = 5
+
+
+def check_vocab_compatible(target: Backend, drafter: Backend) -> None:
+    """Raise VocabMismatchError, naming both models and the first difference, unless the drafter
+    can draft for the target under llama.cpp's rule."""
+    t, d = target.vocab_fingerprint(), drafter.vocab_fingerprint()
+    names = f"drafter {drafter.path} and target {target.path}"
+    if t.vocab_type != d.vocab_type:
+        raise VocabMismatchError(f"{names} use different tokenizer types ({d.vocab_type} vs {t.vocab_type})")
+    if t.add_bos != d.add_bos or (t.add_bos and t.bos_id != d.bos_id):
+        raise VocabMismatchError(f"{names} differ in BOS (id {d.bos_id} vs {t.bos_id})")
+    if t.add_eos != d.add_eos or (t.add_eos and t.eos_id != d.eos_id):
+        raise VocabMismatchError(f"{names} differ in EOS (id {d.eos_id} vs {t.eos_id})")
+    if abs(t.n_vocab - d.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
+        raise VocabMismatchError(f"{names} have vocabularies of {d.n_vocab} and {t.n_vocab} tokens")
+    for i in range(VOCAB_CHECK_START_TOKEN_ID, min(t.n_vocab, d.n_vocab)):
+        if t.token_text(i) != d.token_text(i):
+            raise VocabMismatchError(
+                f"{names} differ at token {i}: {d.token_text(i)!r} vs {t.token_text(i)!r}")
+
+
+class DraftModelDrafter:
+    """Samples γ tokens from a smaller model with the same vocabulary and keeps their q rows.
+
+    Its KV cache is synced to the context by common prefix on every call, so partial acceptance,
+    full acceptance (last draft + bonus token both new to it) and new prompts need no special cases.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model: Backend, n_vocab_target: int) -> None:
+        self.model = model
+        self.n_vocab = n_vocab_target
+        self._kv: list[int] = []  # tokens in the draft model's KV cache
+
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams,
+              rng: np.random.Generator) -> Draft:
+        n_keep = 0
+        for a, b in zip(self._kv, context[:-1]):  # keep ≥ 1 token to evaluate for fresh logits
+            if a != b:
+                break
+            n_keep += 1
+        self.model.truncate(n_keep)
+        self._kv = list(context[:n_keep])
+        tokens, rows = [], []
+        feed = list(context[n_keep:])
+        try:
+            while len(tokens) < gamma:
+                logits = self.model.eval(feed, rows="last")[0]
+                self._kv.extend(feed)
+                q = _fit(process(logits, params), self.n_vocab)  # (V_target,)
+                x = sample(q, rng) if not params.greedy else int(np.argmax(q))
+                tokens.append(x)
+                rows.append(q)
+                feed = [x]
+        except ContextOverflowError:
+            pass  # draft what fits; the target checks the context limit itself
+        return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _fit(q: np.ndarray, n: int) -> np.ndarray:
+    """Resize a drafter distribution to the target's vocabulary (sizes may differ by ≤ 128 ids)."""
+    if q.shape[0] == n:
+        return q
+    if q.shape[0] > n:
+        q = q[:n]
+        s = q.sum()
+        return q / s if s > 0 else np.full(n, 1.0 / n)
+    return np.pad(q, (0, n - q.shape[0]))

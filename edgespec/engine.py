@@ -1,0 +1,225 @@
+"""The speculative decoding loop: prefill, cycles of draft → verify → roll back, streaming.
+
+Target KV invariant: `self._kv` lists exactly the tokens in the target's KV cache. The newest
+token (`pending`) is never in it yet: each cycle evaluates [pending, x̃₁..x̃γ] in one pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgespec.backends.base import Backend
+from edgespec.drafters.base import Draft, Drafter
+from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.sampling import SamplingParams
+from edgespec.stats import Stats, peak_rss_mb
+from edgespec.text import StopMatcher, StreamDecoder
+from edgespec.verify import verify
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of a generation (one speculative cycle's worth of tokens)."""
+
+    text: str  # new text (may be "" while a UTF-8 character or a possible stop string is held back)
+    tokens: list[int]
+    from_draft: list[bool]  # per token: True if it was a draft token the target accepted
+    finish_reason: str | None = None  # set on the last chunk: "eos", "length", "stop", "cancelled"
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats = field(default_factory=Stats)
+
+
+class Engine:
+    """A target backend plus an optional drafter. Use `load()` to build one from model files.
+
+    Not safe for two generations at once; `cancel()` may be called from any thread.
+    """
+
+    def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int = 4) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.num_draft = num_draft
+        self.last_stats: Stats | None = None
+        self._kv: list[int] = []
+        self._cancel = threading.Event()
+        self._busy = threading.Lock()
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs) -> Generation:
+        """Generate a completion. Takes the same keyword arguments as `stream`.
+
+        Returns:
+            Generation with the text, token ids, finish_reason and stats.
+        """
+        text, tokens, reason = [], [], "length"
+        for chunk in self.stream(prompt, max_tokens=max_tokens, **kwargs):
+            text.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            reason = chunk.finish_reason or reason
+        assert self.last_stats is not None
+        return Generation("".join(text), tokens, reason, self.last_stats)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        num_draft: int | None = None,
+        stop: Sequence[str] = (),
+        speculative: bool = True,
+        add_special: bool = True,
+        parse_special: bool = False,
+    ) -> Iterator[Chunk]:
+        """Yield chunks as tokens are accepted.
+
+        Args:
+            prompt: text (tokenized with the target's tokenizer) or token ids.
+            max_tokens: most tokens to generate.
+            temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy.
+            seed: seeds the sampler (None: fresh entropy).
+            num_draft: γ, draft tokens per cycle (default: the engine's `num_draft`).
+            stop: strings that end the generation (not included in the text).
+            speculative: False decodes plainly through the same backend (the baseline).
+            add_special, parse_special: tokenizer flags for a text prompt.
+        """
+        params = SamplingParams(temperature, top_k, top_p, min_p)
+        gamma = self.num_draft if num_draft is None else int(num_draft)
+        if gamma < 0:
+            raise EdgespecError(f"num_draft must be >= 0 (got {gamma})")
+        if max_tokens < 1:
+            raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
+        if not speculative or self.drafter is None:
+            gamma = 0
+        ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
+               else [int(t) for t in prompt])
+        if not ids:
+            raise EdgespecError("the prompt is empty")
+        if len(ids) >= self.target.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.target.n_ctx} tokens "
+                f"(use a shorter prompt or a larger --ctx)")
+        if not self._busy.acquire(blocking=False):
+            raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
+        self._cancel.clear()
+        try:
+            yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop)
+        finally:
+            self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
+            self._busy.release()
+
+    def cancel(self) -> None:
+        """Stop the running generation after its current cycle (thread-safe)."""
+        self._cancel.set()
+
+    def reset(self) -> None:
+        """Forget the cached prompt (the next generation evaluates its prompt from scratch)."""
+        self._kv = []
+        self.target.truncate(0)
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+        self.target.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _run(self, ids: list[int], max_tokens: int, params: SamplingParams, rng: np.random.Generator,
+             gamma: int, stop: Sequence[str]) -> Iterator[Chunk]:
+        stats = self.last_stats = Stats(n_prompt=len(ids))
+        t0 = time.perf_counter()
+        pending = self._prefill(ids, stats)
+        stats.t_prefill = time.perf_counter() - t0
+        decoder, stops = StreamDecoder(self.target.token_to_bytes), StopMatcher(stop)
+        n_ctx, generated = self.target.n_ctx, 0
+        while True:
+            if self._cancel.is_set():
+                yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled")
+                return
+            room = n_ctx - len(self._kv) - 1  # positions left after `pending`
+            if room < 0:
+                yield Chunk(stops.flush() + decoder.flush(), [], [], "length")
+                return
+            g = max(0, min(gamma, max_tokens - generated - 1, room))
+            emitted, n_acc = self._cycle(pending, g, params, rng, stats)
+            t_post = time.perf_counter()
+            reason = None
+            for i, tok in enumerate(emitted):  # cut at end-of-generation or the token limit
+                if self.target.is_eog(tok):
+                    emitted, reason = emitted[:i], "eos"
+                    break
+                if generated + i + 1 >= max_tokens:
+                    emitted, reason = emitted[: i + 1], "length"
+                    break
+            generated += len(emitted)
+            stats.n_tokens = generated
+            pending = emitted[-1] if emitted else pending
+            text = stops.push(decoder.feed(emitted))
+            if stops.hit:
+                reason = "stop"
+            elif reason is not None:
+                text += stops.push(decoder.flush()) + stops.flush()
+            flags = [i < n_acc for i in range(len(emitted))]
+            stats.t_other += time.perf_counter() - t_post
+            stats.peak_rss_mb = max(stats.peak_rss_mb, peak_rss_mb()) if reason else stats.peak_rss_mb
+            yield Chunk(text, emitted, flags, reason)
+            if reason is not None:
+                return
+
+    def _prefill(self, ids: list[int], stats: Stats) -> int:
+        """Evaluate all prompt tokens but the last, reusing the cached common prefix."""
+        n_keep = 0
+        for a, b in zip(self._kv, ids[:-1]):
+            if a != b:
+                break
+            n_keep += 1
+        self._kv = self._kv[:n_keep]
+        self.target.truncate(n_keep)
+        if len(ids) - 1 > n_keep:
+            self.target.eval(ids[n_keep:-1], rows="none")
+            self._kv.extend(ids[n_keep:-1])
+        stats.n_prompt_evaluated = len(ids) - n_keep
+        return ids[-1]
+
+    def _cycle(self, pending: int, gamma: int, params: SamplingParams, rng: np.random.Generator,
+               stats: Stats) -> tuple[list[int], int]:
+        """One speculative cycle (γ = 0: a plain step). Returns (emitted tokens, drafts accepted)."""
+        t0 = time.perf_counter()
+        draft = Draft([])
+        if gamma > 0:
+            assert self.drafter is not None
+            draft = self.drafter.draft(self._kv + [pending], gamma, params, rng)
+        x = draft.tokens[:gamma]  # x̃₁..x̃γ
+        q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
+        t1 = time.perf_counter()
+        logits = self.target.eval([pending, *x], rows="all")  # (γ+1, V): p₁..p_{γ+1}
+        t2 = time.perf_counter()
+        n, token = verify(logits, x, q, params, rng)
+        self._kv += [pending, *x[:n]]
+        self.target.truncate(len(self._kv))  # roll back the rejected drafts
+        stats.record_cycle(len(x), n)
+        stats.t_draft += t1 - t0
+        stats.t_verify += t2 - t1
+        stats.t_other += time.perf_counter() - t2
+        return [*x[:n], token], n

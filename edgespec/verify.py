@@ -1,0 +1,66 @@
+"""Verification of a draft against the target's logits. Pure numpy.
+
+Notation (seeds, DESIGN.md): p = target distribution, q = draft distribution, x̃₁..x̃γ the draft.
+Row i of `logits` is the target's next-token logits after the context and x̃₁..x̃ᵢ, so there
+are γ+1 rows. Each function returns (n_accepted, next_token): the emitted tokens are
+x̃₁..x̃ₙ followed by next_token (the correction at the first rejection, or the bonus token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.sampling import SamplingParams, process, sample
+
+
+def verify_greedy(logits: npt.NDArray[np.floating], draft: Sequence[int]) -> tuple[int, int]:
+    """Accept x̃ᵢ while it equals the target's argmax; emit the argmax where they differ."""
+    for i, x in enumerate(draft):
+        t = int(np.argmax(logits[i]))
+        if t != x:
+            return i, t
+    return len(draft), int(np.argmax(logits[len(draft)]))
+
+
+def verify_stochastic(
+    logits: npt.NDArray[np.floating],  # (γ+1, V) target logits
+    draft: Sequence[int],  # γ draft tokens
+    q: npt.NDArray[np.float64] | None,  # (γ, V) processed draft probabilities; None = one-hot
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Rejection sampling: accept x̃ᵢ with probability min(1, pᵢ(x̃ᵢ)/qᵢ(x̃ᵢ)); at the first
+    rejection sample from norm(max(0, pᵢ − qᵢ)); if all are accepted, sample the bonus from p_γ.
+    A one-hot q (deterministic drafter) accepts with probability pᵢ(x̃ᵢ) and on rejection samples
+    from pᵢ with x̃ᵢ zeroed. The emitted tokens are distributed exactly as sampling from p.
+    Rows of p are processed lazily: only up to the first rejection."""
+    for i, x in enumerate(draft):
+        p = process(logits[i], params)  # (V,)
+        q_x = 1.0 if q is None else float(q[i, x])
+        if q_x > 0.0 and rng.random() * q_x < p[x]:
+            continue
+        if q is None:
+            residual = p.copy()
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(p - q[i], 0.0)
+        if residual.sum() <= 0.0:  # p == q up to rounding: the rejection had probability ~0
+            residual = p
+        return i, sample(residual, rng)
+    return len(draft), sample(process(logits[len(draft)], params), rng)
+
+
+def verify(
+    logits: npt.NDArray[np.floating],
+    draft: Sequence[int],
+    q: npt.NDArray[np.float64] | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Greedy or stochastic verification, by `params`."""
+    if params.greedy:
+        return verify_greedy(logits, draft)
+    return verify_stochastic(logits, draft, q, params, rng)

@@ -1,0 +1,63 @@
+"""Shared fixtures: the fetched real models (fail loudly when missing) and tiny GGUFs built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf_fixtures import build_tiny_llama
+
+from edgespec.errors import ModelLoadError
+from edgespec.models import resolve_model
+
+
+def _fetched(name: str) -> Path:
+    try:
+        return resolve_model(name)
+    except ModelLoadError as err:
+        pytest.fail(f"{err}. These tests need the real models: run `make models` first.", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (fetched)."""
+    return _fetched("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma_q4_path() -> Path:
+    """Gemma-3-270M base, Q4_K_M release (fetched)."""
+    return _fetched("gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma_q8_path() -> Path:
+    """Gemma-3-270M Q8_0 derived from the Q4_K_M release."""
+    return _fetched("gemma3-q8_0")
+
+
+@pytest.fixture(scope="session")
+def gemma_f16_path() -> Path:
+    """Gemma-3-270M F16 derived from the Q4_K_M release."""
+    return _fetched("gemma3-f16")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """2-layer random llama with SmolLM2's tokenizer (seed 0)."""
+    out = tmp_path_factory.mktemp("tiny") / "tiny_target.gguf"
+    return build_tiny_llama(out, vocab_source=smollm2_path, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """tiny_target's weights + 0.3 × noise: same vocabulary, partial agreement."""
+    out = tmp_path_factory.mktemp("tiny") / "tiny_drafter.gguf"
+    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1, base_seed=0, perturb=0.3)
+
+
+@pytest.fixture(scope="session")
+def tiny_unrelated(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """Same architecture and vocabulary as tiny_target, independent weights (seed 1)."""
+    out = tmp_path_factory.mktemp("tiny") / "tiny_unrelated.gguf"
+    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1)

@@ -1,0 +1,162 @@
+"""Tiny GGUF files for tests, built in seconds with `gguf.GGUFWriter` (no download).
+
+`build_tiny_llama` writes a random-weight llama-arch model whose tokenizer is copied from a real
+GGUF, so llama.cpp loads, tokenizes and decodes with it. Same `vocab_source` → same vocabulary:
+a target and a perturbed copy of it make a drafter pair with tunable acceptance.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+TOKENIZER_PREFIX = "tokenizer."
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(vocab_source: Path) -> tuple[tuple[str, Any, gguf.GGUFValueType, Any], ...]:
+    """Every ``tokenizer.*`` key of ``vocab_source`` as (key, value, type, array sub-type)."""
+    reader = gguf.GGUFReader(vocab_source)
+    out = []
+    for key, field in reader.fields.items():
+        if not key.startswith(TOKENIZER_PREFIX):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        out.append((key, tuple(value) if isinstance(value, list) else value, vtype, sub_type))
+    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
+        raise ValueError(f"{vocab_source} has no tokenizer.ggml.tokens: not a usable vocab source")
+    return tuple(out)
+
+
+def _tensor_specs(n_vocab: int, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int):
+    """(name, numpy shape, init std) in a fixed order; numpy shape = reversed GGUF ne; std 0 = ones."""
+    head_dim = n_embd // n_head
+    specs = [("token_embd.weight", (n_vocab, n_embd), 1.0)]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        specs += [
+            (b + "attn_norm.weight", (n_embd,), 0.0),
+            (b + "attn_q.weight", (n_head * head_dim, n_embd), n_embd**-0.5),
+            (b + "attn_k.weight", (n_head_kv * head_dim, n_embd), n_embd**-0.5),
+            (b + "attn_v.weight", (n_head_kv * head_dim, n_embd), n_embd**-0.5),
+            (b + "attn_output.weight", (n_embd, n_head * head_dim), (n_head * head_dim) ** -0.5),
+            (b + "ffn_norm.weight", (n_embd,), 0.0),
+            (b + "ffn_gate.weight", (n_ff, n_embd), n_embd**-0.5),
+            (b + "ffn_up.weight", (n_ff, n_embd), n_embd**-0.5),
+            (b + "ffn_down.weight", (n_embd, n_ff), n_ff**-0.5),
+        ]
+    specs.append(("output_norm.weight", (n_embd,), 0.0))
+    return specs
+
+
+def _weights(specs, seed: int) -> dict[str, npt.NDArray[np.float32]]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape, std in specs:
+        if std == 0.0:
+            out[name] = np.ones(shape, dtype=np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    return out
+
+
+def build_tiny_llama(
+    path: str | Path,
+    *,
+    vocab_source: Path,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    seed: int = 0,
+    perturb: float = 0.0,
+    base_seed: int | None = None,
+    chat_template: str | None = None,
+    context_length: int = 2048,
+) -> Path:
+    """Write a random-weight llama GGUF (f32, tied output) with ``vocab_source``'s tokenizer.
+
+    Args:
+        path: where to write the file.
+        vocab_source: a real GGUF whose ``tokenizer.*`` metadata (vocab, merges, special ids,
+            chat template) is copied.
+        n_layer, n_embd, n_head, n_head_kv, n_ff: llama hyperparameters.
+        seed: weight seed; with ``perturb > 0`` it seeds the noise instead.
+        perturb: if > 0, weights are those of ``base_seed`` plus ``perturb`` × noise scaled like each
+            tensor's init (norms stay 1): a same-vocabulary drafter whose agreement falls with ``perturb``.
+        base_seed: seed of the model being perturbed (default ``seed``).
+        chat_template: replaces ``tokenizer.chat_template`` (e.g. a malicious template).
+        context_length: ``llama.context_length``.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    path = Path(path)
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError(f"n_embd {n_embd} / n_head {n_head} / n_head_kv {n_head_kv} do not divide")
+    tok_fields = _tokenizer_fields(Path(vocab_source))
+    n_vocab = next(len(v) for k, v, *_ in tok_fields if k == "tokenizer.ggml.tokens")
+    specs = _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff)
+    if perturb > 0:
+        weights = _weights(specs, seed if base_seed is None else base_seed)
+        noise_rng = np.random.default_rng([seed, 0x5EED])
+        for name, shape, std in specs:
+            if std != 0.0:
+                noise = noise_rng.standard_normal(shape, dtype=np.float32) * np.float32(perturb * std)
+                weights[name] = weights[name] + noise
+    else:
+        weights = _weights(specs, seed)
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(f"edgespec tiny llama (seed {seed}, perturb {perturb}, base {base_seed})")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(n_vocab)
+    for key, value, vtype, sub_type in tok_fields:
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            continue
+        w.add_key_value(key, list(value) if isinstance(value, tuple) else value, vtype, sub_type)
+    if chat_template is not None:
+        w.add_key_value("tokenizer.chat_template", chat_template, gguf.GGUFValueType.STRING)
+    for name, _shape, _std in specs:
+        w.add_tensor(name, weights[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def truncate_file(src: str | Path, dst: str | Path, keep_fraction: float) -> Path:
+    """Copy the first ``keep_fraction`` of ``src``'s bytes to ``dst`` (a truncated-download fixture)."""
+    if not 0.0 <= keep_fraction < 1.0:
+        raise ValueError(f"keep_fraction must be in [0, 1), got {keep_fraction}")
+    data = Path(src).read_bytes()
+    dst = Path(dst)
+    dst.write_bytes(data[: int(len(data) * keep_fraction)])
+    return dst
+
+
+def write_not_gguf(path: str | Path, size: int = 4096, seed: int = 0) -> Path:
+    """Write ``size`` random bytes that do not start with the GGUF magic."""
+    data = bytearray(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
+    data[:4] = b"NOPE"
+    path = Path(path)
+    path.write_bytes(bytes(data))
+    return path
