@@ -1,0 +1,165 @@
+"""Engine behaviour on the reference backend: KV consistency, cancel, stop, limits, streaming."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from edgespec.backends.reference import ReferenceBackend
+from edgespec.drafters.draft_model import DraftModelDrafter
+from edgespec.drafters.ngram import NgramDrafter
+from edgespec.engine import Engine
+from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.sampling import SamplingParams
+from edgespec.text import StopMatcher, StreamDecoder
+
+
+def _engine(gamma=3, **kw) -> Engine:
+    t = ReferenceBackend(6, seed=5, **kw)
+    return Engine(t, DraftModelDrafter(t.perturbed(0.5), t.n_vocab), num_draft=gamma)
+
+
+def _consistent(engine: Engine) -> bool:
+    return engine.target.n_past == len(engine._kv) and engine.target._tokens == engine._kv
+
+
+def test_closing_the_stream_early_leaves_engine_reusable():
+    engine = _engine()
+    ref = engine.generate("abcab", max_tokens=40, temperature=0.8, seed=7)
+    it = engine.stream("abcab", max_tokens=40)
+    next(it), next(it)
+    it.close()
+    assert _consistent(engine)
+    again = engine.generate("abcab", max_tokens=40, temperature=0.8, seed=7)
+    assert again.tokens == ref.tokens and again.text == ref.text
+
+
+def test_cancel_from_another_thread_stops_within_a_cycle():
+    engine = _engine()
+    chunks, started = [], threading.Event()
+
+    def worker():
+        for c in engine.stream("abcab", max_tokens=10_000, temperature=0.8, seed=1):
+            chunks.append(c)
+            started.set()
+            if len(chunks) == 5:
+                engine.cancel()
+                cancelled_at.append(len(chunks))
+
+    cancelled_at: list[int] = []
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join(timeout=30)
+    assert not th.is_alive()
+    assert chunks[-1].finish_reason == "cancelled" and len(chunks) == cancelled_at[0] + 1
+    assert _consistent(engine)
+    assert engine.generate("abc", max_tokens=5).finish_reason == "length"  # reusable
+
+
+def test_draft_model_kv_stays_in_sync_after_full_acceptance():
+    """A drafter identical to the target: every draft is accepted, so each cycle hands the drafter
+    two tokens it has not seen (the last draft token and the bonus token)."""
+    target = ReferenceBackend(6, seed=5)
+    drafter = DraftModelDrafter(target.perturbed(0.0), 6)
+    calls = []
+    orig = drafter.draft
+
+    def spy(context, gamma, params, rng):
+        d = orig(context, gamma, params, rng)
+        fresh = DraftModelDrafter(target.perturbed(0.0), 6).draft(context, gamma, params, rng)
+        calls.append((list(context), d.tokens, fresh.tokens, list(drafter._kv), list(drafter.model._tokens)))
+        return d
+
+    drafter.draft = spy
+    engine = Engine(target, drafter, num_draft=4)
+    g = engine.generate("abc", max_tokens=50)
+    assert g.stats.n_accepted == g.stats.n_drafted > 0  # full acceptance every cycle
+    for context, got, fresh, kv, model_tokens in calls:
+        assert got == fresh  # syncing the cache gave the same drafts as a cold start
+        assert kv == model_tokens  # bookkeeping mirrors the model's cache
+        assert kv[: len(context)] == context  # the whole context (incl. bonus token) was fed
+    assert g.stats.tau == pytest.approx(5.0, abs=0.5)
+
+
+def test_eos_stops_and_is_not_emitted():
+    target = ReferenceBackend(6, seed=5, eos_id=2)
+    engine = Engine(target, NgramDrafter(), num_draft=3)
+    outs = [engine.generate("abcab", max_tokens=200, temperature=1.0, seed=s) for s in range(30)]
+    assert any(o.finish_reason == "eos" for o in outs)
+    for o in outs:
+        assert 2 not in o.tokens and "c" not in o.text
+        assert o.finish_reason in ("eos", "length")
+
+
+def test_stop_strings_cut_the_text():
+    engine = _engine()
+    full = engine.generate("abcab", max_tokens=60, temperature=1.0, seed=3)
+    stop = full.text[10:12]
+    cut = engine.generate("abcab", max_tokens=60, temperature=1.0, seed=3, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+
+
+def test_max_tokens_and_context_limits():
+    engine = _engine(gamma=6, n_ctx=32)
+    g = engine.generate("abcab", max_tokens=7)
+    assert len(g.tokens) == 7 and g.finish_reason == "length"
+    g = engine.generate("abcab", max_tokens=1000)
+    assert g.finish_reason == "length" and len(g.tokens) == 32 - 5 + 1
+    with pytest.raises(ContextOverflowError, match="32"):
+        engine.generate("ab" * 20, max_tokens=4)
+    assert _consistent(engine)
+
+
+def test_prompt_prefix_is_reused_between_generations():
+    engine = _engine()
+    engine.generate("abcabcabca", max_tokens=4)
+    g = engine.generate("abcabcabcaddd", max_tokens=4)
+    assert g.stats.n_prompt_evaluated <= 13 - 9  # at least the 9 shared tokens came from the cache
+
+
+def test_bad_arguments_are_clear_errors():
+    engine = _engine()
+    with pytest.raises(EdgespecError, match="top_p"):
+        engine.generate("ab", temperature=0.5, top_p=1.5)
+    with pytest.raises(EdgespecError, match="temperature"):
+        engine.generate("ab", temperature=-1)
+    with pytest.raises(EdgespecError, match="num_draft"):
+        engine.generate("ab", num_draft=-1)
+    assert _consistent(engine)
+
+
+def test_stats_count_draft_positions():
+    engine = _engine(gamma=4)
+    s = engine.generate("abcab", max_tokens=100).stats
+    assert s.n_tokens == 100 and s.n_cycles < 100
+    assert sum(s.accepted_at) == s.n_accepted and sum(s.drafted_at) == s.n_drafted
+    assert all(a >= b for a, b in zip(s.accepted_at, s.accepted_at[1:]))  # acceptance is a prefix
+    assert s.tau == pytest.approx(s.n_tokens / s.n_cycles)
+    assert s.peak_rss_mb > 0
+
+
+def test_stream_decoder_holds_split_utf8():
+    pieces = {0: "日".encode()[:2], 1: "日".encode()[2:] + b"x", 2: b"\xff"}
+    dec = StreamDecoder(pieces.__getitem__)
+    assert dec.feed([0]) == ""
+    assert dec.feed([1]) == "日x"
+    assert dec.feed([2]) + dec.flush() == "\ufffd"
+
+
+def test_stop_matcher_holds_back_partial_stop():
+    m = StopMatcher(["</s>"])
+    assert m.push("hello <") == "hello "
+    assert m.push("/") == ""
+    assert m.push("x") == "</x"
+    assert m.push("end</s>tail") == "end" and m.hit
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(n_max=3, n_min=2)
+    ctx = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3])
+    assert d.lookup(ctx, 3) == [5, 7, 2]  # latest match of [2, 3] is followed by 5 7 2
+    assert d.lookup(np.array([1, 2, 3]), 3) == []
+    assert d.draft([5, 6, 5, 6], 10, SamplingParams(), np.random.default_rng()).tokens == [5, 6]
