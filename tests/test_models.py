@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import pytest
 
 from edgespec import models
 from edgespec.errors import EdgespecError, ModelLoadError
-from edgespec.models import DerivedModel, ReleasedModel, WheelMember
+from edgespec.models import DerivedModel, ReleasedModel
 
 
 def _write_wheel(folder: Path, requirement: str, files: dict[str, bytes]) -> Path:
@@ -64,20 +65,21 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         _write_wheel(wheels, part.package, {part.member: data})
 
     registry = {
-        smol_spec.name: ReleasedModel(
-            smol_spec.name, smol_spec.filename, smol_spec.parts, len(smol), hashlib.sha256(smol).hexdigest(), "fake"
-        ),
-        gemma_spec.name: ReleasedModel(
-            gemma_spec.name, gemma_spec.filename, gemma_spec.parts, len(gemma),
-            hashlib.sha256(gemma).hexdigest(), "fake",
-        ),
+        smol_spec.name: replace(smol_spec, size=len(smol), sha256=hashlib.sha256(smol).hexdigest()),
+        gemma_spec.name: replace(gemma_spec, size=len(gemma), sha256=hashlib.sha256(gemma).hexdigest()),
         **{k: v for k, v in real.items() if isinstance(v, DerivedModel)},
     }
     monkeypatch.setattr(models, "REGISTRY", registry)
     monkeypatch.setattr(models, "quantize", _fake_copy_quantize)
     # Only our folder: no pip config files, no index, no find-links from the environment.
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for var in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "EDGESPEC_PIP_ARGS"):
+    for var in (
+        "PIP_FIND_LINKS",
+        "PIP_INDEX_URL",
+        "PIP_EXTRA_INDEX_URL",
+        "PIP_CONSTRAINT",
+        "EDGESPEC_PIP_ARGS",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "edgespec-home"))
 
@@ -90,7 +92,11 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(models, "_pip_download", counting)
     return SimpleNamespace(
-        wheels=wheels, smol=smol, gemma=gemma, calls=calls, home=tmp_path / "edgespec-home" / "models",
+        wheels=wheels,
+        smol=smol,
+        gemma=gemma,
+        calls=calls,
+        home=tmp_path / "edgespec-home" / "models",
         pip_args=("--no-index", "--find-links", str(wheels)),
     )
 
@@ -149,9 +155,7 @@ def test_replaced_file_is_fetched_again(fake) -> None:
 
 def test_corrupted_payload_raises_and_leaves_nothing(fake, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = models.REGISTRY["smollm2-135m-instruct-q4_1"]
-    monkeypatch.setitem(models.REGISTRY, spec.name, ReleasedModel(
-        spec.name, spec.filename, spec.parts, spec.size, "0" * 64, "expects another hash"
-    ))
+    monkeypatch.setitem(models.REGISTRY, spec.name, replace(spec, sha256="0" * 64))
     with pytest.raises(ModelLoadError) as info:
         models.fetch(["smollm2"], pip_args=fake.pip_args)
     msg = str(info.value)
@@ -207,13 +211,68 @@ def test_unknown_name_in_fetch(fake) -> None:
 @pytest.mark.real
 def test_real_precision_pair_is_derived() -> None:
     import gguf
+    from gguf_fixtures import read_gguf_kv
 
     paths = models.fetch(["gemma3-q8_0", "gemma3-f16"])
-    expected = {"gemma-3-270m-q8_0.gguf": gguf.LlamaFileType.MOSTLY_Q8_0,
-                "gemma-3-270m-f16.gguf": gguf.LlamaFileType.MOSTLY_F16}
+    expected = {
+        "gemma-3-270m-q8_0.gguf": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "gemma-3-270m-f16.gguf": gguf.LlamaFileType.MOSTLY_F16,
+    }
     for path in paths:
-        reader = gguf.GGUFReader(path)
-        assert reader.fields["general.architecture"].contents() == "gemma3"
-        assert reader.fields["general.file_type"].contents() == expected[path.name]
+        kv = read_gguf_kv(path, {"general.architecture", "general.file_type"})
+        assert kv == {"general.architecture": "gemma3", "general.file_type": expected[path.name]}
     rows = {r.name: r for r in models.list_models()}
     assert rows["gemma-3-270m-q8_0"].sha256 and rows["gemma-3-270m-f16"].sha256
+
+
+def test_tiny_llama_fixtures(tiny_target: Path, smollm2_path: Path, tmp_path: Path) -> None:
+    from gguf_fixtures import build_tiny_llama, read_gguf_kv, truncate_file, write_not_gguf
+
+    src, tiny = read_gguf_kv(smollm2_path), read_gguf_kv(tiny_target)
+    assert {k: v for k, v in src.items() if k.startswith("tokenizer.")} == {
+        k: v for k, v in tiny.items() if k.startswith("tokenizer.")
+    }
+    assert tiny["general.architecture"] == "llama" and tiny["llama.block_count"] == 2
+    evil = build_tiny_llama(tmp_path / "evil.gguf", vocab_source=smollm2_path, chat_template="{{ x }}")
+    assert read_gguf_kv(evil, {"tokenizer.chat_template"}) == {"tokenizer.chat_template": "{{ x }}"}
+    cut = truncate_file(tiny_target, tmp_path / "cut.gguf", 0.5)
+    assert cut.stat().st_size == tiny_target.stat().st_size // 2
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_kv(write_not_gguf(tmp_path / "x.gguf"))
+
+
+@pytest.mark.real
+def test_tiny_llama_decodes_in_llama_cpp(tiny_target: Path, tiny_drafter: Path, tmp_path: Path) -> None:
+    import numpy as np
+    from gguf_fixtures import truncate_file
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+
+    def last_logits(path: Path, tokens: list[int]):
+        model = llama_cpp.llama_model_load_from_file(
+            str(path).encode(), llama_cpp.llama_model_default_params()
+        )
+        assert model, path
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = 64
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+        try:
+            batch.n_tokens = len(tokens)
+            for i, t in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, i == len(tokens) - 1
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+        finally:
+            llama_cpp.llama_batch_free(batch)
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
+
+    tokens = [1, 504, 3458, 282, 4649, 314]
+    p, q = last_logits(tiny_target, tokens), last_logits(tiny_drafter, tokens)  # (V,)
+    assert p.shape == (49152,) and np.isfinite(p).all() and p.std() > 1.0
+    assert 0 < np.abs(p - q).max() < p.max() - p.min()
+    cut = truncate_file(tiny_target, tmp_path / "cut.gguf", 0.5)
+    assert not llama_cpp.llama_model_load_from_file(str(cut).encode(), llama_cpp.llama_model_default_params())

@@ -57,6 +57,8 @@ def list_cmd() -> None:
         table.append((r.name, r.alias or "-", size, status, sha, r.note))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+        typer.echo(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        )
     if rows:
         typer.echo(f"directory: {rows[0].path.parent}")
