@@ -123,6 +123,33 @@ class Engine:
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
 
+    def stream_chat(self, messages: list[dict], **kwargs) -> Iterator[Chunk]:
+        """Stream a reply to a conversation, rendered with the model's chat template (sandboxed).
+
+        Args:
+            messages: [{"role": ..., "content": ...}, ...].
+            **kwargs: as for `stream` (max_tokens, temperature, ...).
+        """
+        text, add_bos = self.chat_prompt(messages)
+        yield from self.stream(text, parse_special=True, add_special=add_bos, **kwargs)
+
+    def chat(self, messages: list[dict], **kwargs) -> Generation:
+        """Like `generate`, for a conversation (see `stream_chat`)."""
+        text, add_bos = self.chat_prompt(messages)
+        return self.generate(text, parse_special=True, add_special=add_bos, **kwargs)
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[str, bool]:
+        """The conversation rendered with the target's chat template (None: a plain fallback), and
+        whether the tokenizer should still add BOS (not when the template wrote it)."""
+        from edgespec.chat import render_chat
+
+        t = self.target
+        text_of = t.vocab_fingerprint().token_text
+        bos = text_of(t.bos_id) if t.bos_id is not None else ""
+        eos = text_of(t.eos_id) if t.eos_id is not None else ""
+        text = render_chat(t.metadata("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
+        return text, not (bos and text.startswith(bos))
+
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""
         self._cancel.set()

@@ -18,22 +18,27 @@ VOCAB_CHECK_START_TOKEN_ID = 5
 
 
 def check_vocab_compatible(target: Backend, drafter: Backend) -> None:
-    """Raise VocabMismatchError, naming both models and the first difference, unless the drafter
-    can draft for the target under llama.cpp's rule."""
+    """Raise VocabMismatchError, naming both models and the first differing token, unless the
+    drafter can draft for the target under llama.cpp's rule."""
     t, d = target.vocab_fingerprint(), drafter.vocab_fingerprint()
-    names = f"drafter {drafter.path} and target {target.path}"
+    problem = None
     if t.vocab_type != d.vocab_type:
-        raise VocabMismatchError(f"{names} use different tokenizer types ({d.vocab_type} vs {t.vocab_type})")
-    if t.add_bos != d.add_bos or (t.add_bos and t.bos_id != d.bos_id):
-        raise VocabMismatchError(f"{names} differ in BOS (id {d.bos_id} vs {t.bos_id})")
-    if t.add_eos != d.add_eos or (t.add_eos and t.eos_id != d.eos_id):
-        raise VocabMismatchError(f"{names} differ in EOS (id {d.eos_id} vs {t.eos_id})")
-    if abs(t.n_vocab - d.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
-        raise VocabMismatchError(f"{names} have vocabularies of {d.n_vocab} and {t.n_vocab} tokens")
-    for i in range(VOCAB_CHECK_START_TOKEN_ID, min(t.n_vocab, d.n_vocab)):
-        if t.token_text(i) != d.token_text(i):
-            raise VocabMismatchError(
-                f"{names} differ at token {i}: {d.token_text(i)!r} vs {t.token_text(i)!r}")
+        problem = f"tokenizer types differ ({d.vocab_type} vs {t.vocab_type})"
+    elif t.add_bos != d.add_bos or (t.add_bos and t.bos_id != d.bos_id):
+        problem = f"BOS differs (id {d.bos_id} vs {t.bos_id})"
+    elif t.add_eos != d.add_eos or (t.add_eos and t.eos_id != d.eos_id):
+        problem = f"EOS differs (id {d.eos_id} vs {t.eos_id})"
+    elif abs(t.n_vocab - d.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
+        problem = f"sizes differ by more than {VOCAB_MAX_SIZE_DIFFERENCE} ({d.n_vocab} vs {t.n_vocab} tokens)"
+    first = next((i for i in range(VOCAB_CHECK_START_TOKEN_ID, min(t.n_vocab, d.n_vocab))
+                  if t.token_text(i) != d.token_text(i)), None)
+    if problem is None and first is None:
+        return
+    where = (f"first differing token {first}: {d.token_text(first)!r} vs {t.token_text(first)!r}"
+             if first is not None else "token texts agree")
+    raise VocabMismatchError(
+        f"drafter {drafter.path} cannot draft for target {target.path}: vocabularies differ "
+        f"({problem or 'token texts differ'}; {where})")
 
 
 class DraftModelDrafter:
