@@ -47,17 +47,21 @@ def print_error(message: object) -> None:
     _stderr().print(f"[bold red]error:[/bold red] [red]{escape(line)}[/red]")
 
 
-def format_stats(stats: Stats) -> str:
-    """One line: tokens, decode tok/s, and for speculative runs τ and acceptance rate."""
+def format_stats(stats: Stats, *, speculative: bool | None = None) -> str:
+    """One line: tokens, decode tok/s, and for speculative runs τ and acceptance rate.
+
+    `speculative` None: show τ and acceptance when anything was drafted.
+    """
     parts = [f"{stats.n_tokens} tokens", f"{stats.tok_per_s:.1f} tok/s"]
-    if stats.n_drafted:
-        parts += [f"τ {stats.tau:.2f}", f"acceptance {stats.acceptance_rate:.0%}"]
+    if speculative or (speculative is None and stats.n_drafted):
+        acceptance = f"{stats.acceptance_rate:.0%}" if stats.n_drafted else "– (nothing drafted)"
+        parts += [f"τ {stats.tau:.2f}", f"acceptance {acceptance}"]
     return _SEP.join(parts)
 
 
-def print_stats(stats: Stats, *, prefix: str = "", note: str = "") -> None:
+def print_stats(stats: Stats, *, speculative: bool | None = None, prefix: str = "") -> None:
     """The stats line on stderr, e.g. `120 tokens · 210.4 tok/s · τ 2.31 · acceptance 52%`."""
-    line = (f"{prefix}: " if prefix else "") + format_stats(stats) + (f"{_SEP}{note}" if note else "")
+    line = (f"{prefix}: " if prefix else "") + format_stats(stats, speculative=speculative)
     _stderr().print(f"[cyan]{escape(line)}[/cyan]")
 
 

@@ -1,0 +1,1 @@
+"""The `edgespec` command line (entry point: edgespec.cli.app:main)."""

@@ -1,0 +1,116 @@
+"""The flags every generating command (generate, chat, demo) shares, declared once.
+
+`@run_options(**defaults)` adds them to a typer command's signature and hands the command one
+frozen `RunOptions`; per-command defaults (chat's temperature 0.7) are the only variation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
+
+import typer
+
+from edgespec.errors import EdgespecError
+
+if TYPE_CHECKING:
+    from edgespec.engine import Engine
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The model, drafter and sampling flags every generating command takes."""
+
+    target: str | None = None
+    drafter: str = "ngram"
+    num_draft: int = 4
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    threads: int | None = None
+    ctx: int = 4096
+    gpu_layers: int = 0
+    no_spec: bool = False
+    verbose: bool = False
+
+    def check(self) -> None:
+        """Reject bad values before any model is loaded."""
+        from edgespec.sampling import SamplingParams
+
+        SamplingParams(self.temp, self.top_k, self.top_p, self.min_p)
+        for flag, value, low in (("--num-draft", self.num_draft, 0), ("--max-tokens", self.max_tokens, 1),
+                                 ("--ctx", self.ctx, 16), ("--threads", self.threads, 1)):
+            if value is not None and value < low:
+                raise EdgespecError(f"{flag} must be >= {low} (got {value})")
+
+    def load(self) -> Engine:
+        """The Engine for these options (no drafter with --no-spec or --drafter none)."""
+        import edgespec
+
+        self.check()
+        drafter = None if self.no_spec or self.drafter.lower() == "none" else self.drafter
+        return edgespec.load(self.target, drafter, n_ctx=self.ctx, threads=self.threads,
+                             n_gpu_layers=self.gpu_layers, num_draft=self.num_draft, verbose=self.verbose)
+
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments for Engine.stream / stream_chat."""
+        return dict(max_tokens=self.max_tokens, temperature=self.temp, top_k=self.top_k, top_p=self.top_p,
+                    min_p=self.min_p, seed=self.seed, num_draft=self.num_draft, speculative=not self.no_spec)
+
+
+_PANEL = "Model and sampling"
+_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`)."),
+    "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
+                                "or 'none'."),
+    "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle."),
+    "temp": (("--temp",), "Temperature (0 = greedy)."),
+    "top_k": (("--top-k",), "Keep the k most likely tokens (0 = off)."),
+    "top_p": (("--top-p",), "Nucleus sampling mass in (0, 1] (1 = off)."),
+    "min_p": (("--min-p",), "Drop tokens below min_p × the top probability (0 = off)."),
+    "seed": (("--seed",), "Sampler seed (default: random)."),
+    "max_tokens": (("--max-tokens", "-n"), "Most tokens to generate."),
+    "threads": (("--threads",), "CPU threads (default: up to 8)."),
+    "ctx": (("--ctx",), "Context size in tokens."),
+    "gpu_layers": (("--gpu-layers",), "Layers to offload on GPU builds of llama.cpp (-1 = all)."),
+    "no_spec": (("--no-spec",), "Decode plainly (no drafter): the baseline."),
+    "verbose": (("--verbose",), "Show llama.cpp's own log."),
+}
+
+
+def run_options(**defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the RunOptions flags to a command; the command receives them as `opts: RunOptions`.
+
+    `defaults` override RunOptions' defaults for this command (e.g. temp=0.7 for chat).
+    """
+    base = replace(RunOptions(), **defaults)
+    types = get_type_hints(RunOptions)  # the field types are strings under `from __future__`
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "opts"]
+        shared = []
+        for f in fields(RunOptions):
+            flags, help_text = _FLAGS[f.name]
+            option = typer.Option(*flags, help=help_text, rich_help_panel=_PANEL)
+            annotation = Annotated[types[f.name], option]
+            shared.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=getattr(base, f.name), annotation=annotation))
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            opts = RunOptions(**{f.name: kwargs.pop(f.name) for f in fields(RunOptions)})
+            return func(opts, **kwargs)
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer must read the signature above, not func's
+        return command
+
+    return decorate
