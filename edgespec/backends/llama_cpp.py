@@ -44,6 +44,10 @@ def _lib():
     return llama_cpp
 
 
+# ggml type ids (ggml.h) for the KV cache
+_KV_TYPES = {"q8_0": 8, "f16": 1, "f32": 0}
+
+
 def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -61,20 +65,99 @@ def check_gguf_file(path: Path) -> None:
 
 
 def _diagnose(path: Path) -> str:
-    """Why llama.cpp refused a GGUF file: the gguf reader names a tensor past the end of a truncated
-    file; otherwise quote llama.cpp's last error line."""
+    """Why llama.cpp refused a GGUF file: a cut header or a tensor past the end of a truncated file
+    (found by walking the header, ~0.1-0.4 s; gguf.GGUFReader parses every vocabulary entry and takes
+    3-15 s); otherwise quote llama.cpp's last error line."""
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        size = path.stat().st_size
-        for t in reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > size:
-                return f"truncated: tensor {t.name} ends past the end of the file ({size} bytes)"
-    except (ValueError, IndexError, OSError, KeyError) as e:  # gguf raises these on damaged files
-        return f"corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        problem = _gguf_truncation(path)
+    except (ValueError, KeyError, OSError) as e:  # struct.error is a ValueError
+        problem = f"corrupt GGUF header ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if problem:
+        return problem
     errors = [ln.strip() for ln in _LOG if "error" in ln.lower() or "failed" in ln.lower()]
     return errors[-1] if errors else "llama.cpp could not load it (run with --verbose for its log)"
+
+
+def _gguf_truncation(path: Path) -> str | None:
+    """A one-line description if the GGUF file at `path` is cut short, else None. Reads only the
+    header: metadata (skipped), tensor infos, alignment; compares tensor extents with the file size."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _GGML_TYPES = {int(t) for t in GGML_QUANT_SIZES}
+    size = path.stat().st_size
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = 0
+
+        def take(fmt: str) -> tuple:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise EOFError
+            pos += n
+            return struct.unpack_from(fmt, mm, pos - n)
+
+        def string() -> bytes:
+            nonlocal pos
+            (n,) = take("<Q")
+            if pos + n > size:
+                raise EOFError
+            pos += n
+            return mm[pos - n:pos]
+
+        scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+        def skip_value(vtype: int) -> None:
+            nonlocal pos
+            if vtype == 8:
+                string()
+            elif vtype == 9:
+                sub, n = take("<IQ")
+                if sub in scalar:
+                    pos += n * scalar[sub]
+                    if pos > size:
+                        raise EOFError
+                else:
+                    for _ in range(n):
+                        skip_value(sub)
+            else:
+                pos += scalar[vtype]
+
+        try:
+            _magic, _version, n_tensors, n_kv = take("<4sIQQ")
+            alignment = 32
+            for _ in range(n_kv):
+                key = string()
+                (vtype,) = take("<I")
+                if key == b"general.alignment" and vtype == 4:
+                    (alignment,) = take("<I")
+                else:
+                    skip_value(vtype)
+            infos = []
+            for _ in range(n_tensors):
+                name = string().decode("utf-8", "replace")
+                (n_dims,) = take("<I")
+                dims = take(f"<{n_dims}Q")
+                ggml_type, offset = take("<IQ")
+                if ggml_type not in _GGML_TYPES:  # newer than the gguf package: size unknown
+                    continue
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+                n_elems = 1
+                for d in dims:
+                    n_elems *= d
+                infos.append((offset + n_elems // block * type_size, name))
+        except EOFError:
+            return f"truncated: the file ends inside its GGUF header ({size} bytes)"
+        data_start = -(-pos // alignment) * alignment
+        if not infos:
+            return None
+        cut = [(end, name) for end, name in infos if data_start + end > size]
+        if cut:
+            return (f"truncated: {size} bytes, but its tensors need {data_start + max(cut)[0]} "
+                    f"(tensor {min(cut)[1]} is the first cut off)")
+    return None
 
 
 class LlamaCppBackend:
@@ -88,6 +171,11 @@ class LlamaCppBackend:
         n_batch: most tokens per llama_decode call (longer prompts are chunked).
         use_extra_bufts: llama.cpp's repacked CPU weight layouts. Off by default: with them, Q4_K
             batches give different logits than single tokens (MODELS.md), at no measured speed gain.
+        kv_type: KV cache type: "auto" (Q8_0 where the model's head size allows, else F16), "q8_0",
+            "f16" or "f32". With F16/F32 caches, llama.cpp's
+            CPU flash attention takes a split-KV path for single-token steps once the cache passes
+            256 cells, so they no longer match batched verification bit for bit; Q8_0 caches do,
+            at the same measured speed and half the memory (README, known limits).
         verbose: print llama.cpp's log.
     """
 
@@ -95,13 +183,15 @@ class LlamaCppBackend:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, threads: int | None = None,
                  n_gpu_layers: int = 0, n_batch: int = 512, use_extra_bufts: bool = False,
-                 verbose: bool = False) -> None:
+                 kv_type: str = "auto", verbose: bool = False) -> None:
+        self._model = self._ctx = self._batch = None  # before any raise: __del__ calls close()
         self._ll = ll = _lib()
+        if kv_type not in (*_KV_TYPES, "auto"):
+            raise BackendError(f"kv_type must be one of {', '.join(_KV_TYPES)} (got {kv_type!r})")
         _state["verbose"] = verbose
         p = Path(path).expanduser()
         check_gguf_file(p)
         self.path = str(p)
-        self._model = self._ctx = self._batch = None
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1
         mp.use_extra_bufts = use_extra_bufts
@@ -116,10 +206,17 @@ class LlamaCppBackend:
         cp.n_seq_max = 1
         cp.swa_full = True  # sliding-window caches (Gemma 3) must keep what rollback may return to
         cp.no_perf = True
-        self._ctx = ll.llama_init_from_model(self._model, cp)
+        for kv in ("q8_0", "f16") if kv_type == "auto" else (kv_type,):
+            # Q8_0 needs head sizes divisible by its 32-value blocks; "auto" falls back to F16
+            cp.type_k = cp.type_v = _KV_TYPES[kv]
+            self._ctx = ll.llama_init_from_model(self._model, cp)
+            if self._ctx:
+                break
+        self.kv_type = kv
         if not self._ctx:
             self.close()
-            raise ModelLoadError(f"cannot create a llama.cpp context for {p} (n_ctx={n_ctx}): {_diagnose(p)}")
+            raise ModelLoadError(f"cannot create a llama.cpp context for {p} (n_ctx={n_ctx}, kv_type={kv_type}): "
+                                 f"{_diagnose(p)}")
         self._vocab = ll.llama_model_get_vocab(self._model)
         self._mem = ll.llama_get_memory(self._ctx)
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
