@@ -113,7 +113,7 @@ class Engine:
         if len(ids) >= self.target.n_ctx:
             raise ContextOverflowError(
                 f"prompt of {len(ids)} tokens does not fit the context of {self.target.n_ctx} tokens "
-                f"(use a shorter prompt or a larger --ctx)")
+                f"(use a shorter prompt or a larger context: n_ctx / --ctx)")
         if not self._busy.acquire(blocking=False):
             raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
         self._cancel.clear()

@@ -15,6 +15,7 @@ from edgespec.sampling import SamplingParams, process, sample
 # from this id on (ids below are control tokens that models number differently).
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
+_VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo-2"}  # llama_vocab_type
 
 
 def check_vocab_compatible(target: Backend, drafter: Backend) -> None:
@@ -23,7 +24,8 @@ def check_vocab_compatible(target: Backend, drafter: Backend) -> None:
     t, d = target.vocab_fingerprint(), drafter.vocab_fingerprint()
     problem = None
     if t.vocab_type != d.vocab_type:
-        problem = f"tokenizer types differ ({d.vocab_type} vs {t.vocab_type})"
+        kinds = [_VOCAB_TYPES.get(v.vocab_type, str(v.vocab_type)) for v in (d, t)]
+        problem = f"tokenizer types differ ({kinds[0]} vs {kinds[1]})"
     elif t.add_bos != d.add_bos or (t.add_bos and t.bos_id != d.bos_id):
         problem = f"BOS differs (id {d.bos_id} vs {t.bos_id})"
     elif t.add_eos != d.add_eos or (t.add_eos and t.eos_id != d.eos_id):
