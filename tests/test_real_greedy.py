@@ -59,9 +59,11 @@ class _Recorder:
 
 
 def test_f16_target_is_argmax_of_its_own_logits(gemma_f16_path, gemma_q4_path):
-    """F16 matmuls differ between batched and single-token evaluation in the last bits. Each
-    emitted token must still be the argmax of the verification logits that produced it; where spec
-    and plain diverge, plain's logits at that position must be a near tie."""
+    """F16 matmuls on this CPU give slightly different logits for a batch than for single tokens
+    (MODELS.md: up to ~0.1). Each emitted token must still be the argmax of the verification logits
+    that produced it; where spec and plain diverge, the two candidates must be plain's top 2, and
+    their gap smaller than the measured batch-vs-single difference of that very logit row."""
+    divergences = 0
     with edgespec.load(gemma_f16_path, drafter=gemma_q4_path, n_ctx=1024) as engine:
         rec = _Recorder(engine.target)
         engine.target = rec
@@ -72,11 +74,35 @@ def test_f16_target_is_argmax_of_its_own_logits(gemma_f16_path, gemma_q4_path):
             rows = np.concatenate([b for b in rec.blocks if len(b)])  # every verification row
             argmaxes = set(np.argmax(rows, axis=1).tolist())
             assert all(t in argmaxes for t in spec.tokens)
-            if spec.tokens != plain.tokens:
-                d = next(i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)
-                ids = engine.target.tokenize(prompt) + plain.tokens[:d]
-                engine.reset()
-                logits = np.concatenate([engine.target.eval([t], "all") for t in ids])[-1]
-                top2 = np.sort(logits)[-2:]
-                assert (top2[1] - top2[0]) <= 1e-3 * abs(top2[1]), (prompt, d, top2)
-                engine.reset()
+            if spec.tokens == plain.tokens:
+                continue
+            divergences += 1
+            d = next(i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)
+            ids = engine.target.tokenize(prompt) + plain.tokens[:d]
+            engine.reset()
+            single = np.concatenate([engine.target.eval([t], "all") for t in ids])[-1]  # plain's path
+            engine.reset()
+            batched = engine.target.eval(ids, "all")[-1]
+            engine.reset()
+            top2 = np.argsort(single)[-2:]
+            assert {int(top2[0]), int(top2[1])} == {spec.tokens[d], plain.tokens[d]}, (prompt, d)
+            gap = single[top2[1]] - single[top2[0]]
+            assert gap <= np.abs(single - batched).max(), (prompt, d, gap)
+            print(f"F16 divergence at token {d}: top-2 gap {gap:.3f} (relative {gap / abs(single[top2[1]]):.1e}), "
+                  f"batch-vs-single max |dlogit| {np.abs(single - batched).max():.3f}")
+    print(f"F16 target: {divergences}/4 prompts diverged (near ties explained by batch variance)")
+
+
+def test_long_context_greedy_equals_plain(smollm2_path):
+    """Past 256 cached tokens llama.cpp switches single-token attention to a split-KV kernel; the
+    default Q8_0 KV cache keeps that path bit-identical to batched verification."""
+    from edgespec.cli.app import DEMO_PROMPT
+
+    with edgespec.load(smollm2_path, drafter="ngram", n_ctx=2048) as engine:
+        messages = [{"role": "user", "content": DEMO_PROMPT}]
+        plain = engine.chat(messages, max_tokens=300, speculative=False)
+        assert engine.last_stats.n_prompt > 256
+        for gamma in (3, 6):
+            spec = engine.chat(messages, max_tokens=300, num_draft=gamma)
+            assert spec.tokens == plain.tokens
+            assert spec.stats.n_accepted > 50
