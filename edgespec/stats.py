@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB."""
+    try:  # Linux: VmHWM is reset by exec; ru_maxrss keeps the parent's peak in a forked child
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 

@@ -258,7 +258,11 @@ DEMO_PROMPT = """Change the title of this HTML page to "My Garden" and show the 
 
 @app.command()
 @run_options(max_tokens=256)
-def demo(opts: RunOptions) -> None:
+def demo(
+    opts: RunOptions,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", "-r", min=1, help="Alternating spec/plain pairs; the line then quotes medians.")] = 1,
+) -> None:
     """Speculative vs plain decoding on a built-in prompt; prints one comparison line.
 
     Greedy by default, so both runs must produce the same text (the decoding is lossless).
@@ -279,10 +283,20 @@ def demo(opts: RunOptions) -> None:
         if reason == "cancelled":
             ui.interrupted()
             raise typer.Exit(130)
-        spec = engine.last_stats
-        ui.status("plain decoding of the same prompt (speculative=False) ...")
+        specs, plains = [engine.last_stats], []
+        ui.status("plain decoding of the same prompt (speculative=False)"
+                  + (f", then {repeats - 1} more alternating pairs" if repeats > 1 else "") + " ...")
         plain = engine.chat(messages, **{**kw, "speculative": False})
-        ui.print_comparison(spec, plain.stats, identical=(plain.text == text) if opts.temp == 0 else None)
+        plains.append(plain.stats)
+        identical = plain.text == text
+        for _ in range(repeats - 1):
+            specs.append(engine.chat(messages, **kw).stats)
+            plains.append(engine.chat(messages, **{**kw, "speculative": False}).stats)
+        mid = len(specs) // 2
+        spec = sorted(specs, key=lambda s: s.tok_per_s)[mid]
+        plain_stats = sorted(plains, key=lambda s: s.tok_per_s)[mid]
+        ratios = [s.tok_per_s / p.tok_per_s for s, p in zip(specs, plains) if p.tok_per_s > 0]
+        ui.print_comparison(spec, plain_stats, identical=identical if opts.temp == 0 else None, ratios=ratios)
 
 
 def _speculative(engine: Any, opts: RunOptions) -> bool:

@@ -65,19 +65,26 @@ def print_stats(stats: Stats, *, speculative: bool | None = None, prefix: str = 
     _stderr().print(f"[cyan]{escape(line)}[/cyan]")
 
 
-def format_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None) -> str:
-    """One line comparing a speculative run with plain decoding of the same prompt."""
+def format_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None,
+                      ratios: Sequence[float] = ()) -> str:
+    """One line comparing a speculative run with plain decoding of the same prompt. With `ratios`
+    (pairwise spec/plain speed ratios of alternating repeats) the speedup is their median and range."""
     speedup = spec.tok_per_s / plain.tok_per_s if plain.tok_per_s > 0 else 0.0
     parts = [f"{spec.n_tokens} tokens", f"spec {spec.tok_per_s:.1f} tok/s", f"τ {spec.tau:.2f}",
              f"acceptance {spec.acceptance_rate:.0%}", f"plain {plain.tok_per_s:.1f} tok/s",
              f"speedup {speedup:.2f}×"]
+    if len(ratios) > 1:
+        r = sorted(ratios)
+        parts[-1] = f"speedup {r[len(r) // 2]:.2f}× (median of {len(r)} alternating pairs, {r[0]:.2f}–{r[-1]:.2f})"
     if identical is not None:
         parts.append("output identical to plain" if identical else "output DIFFERS from plain")
     return _SEP.join(parts)
 
 
-def print_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None) -> None:
-    _stderr().print(f"[bold cyan]{escape(format_comparison(spec, plain, identical=identical))}[/bold cyan]")
+def print_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None,
+                     ratios: Sequence[float] = ()) -> None:
+    line = format_comparison(spec, plain, identical=identical, ratios=ratios)
+    _stderr().print(f"[bold cyan]{escape(line)}[/bold cyan]")
 
 
 def interrupted() -> None:
