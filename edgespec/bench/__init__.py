@@ -1,0 +1,1 @@
+"""Benchmarking: the task suite (and later the bench and profile runners)."""

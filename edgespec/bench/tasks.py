@@ -1,0 +1,135 @@
+"""The benchmark task suite: JSONL files of prompts, one task per line, validated on load.
+
+Each line is an object with exactly these keys:
+    id          unique non-empty string, e.g. "chat-01"
+    category    non-empty string, e.g. "chat" (see CATEGORIES for the shipped ones)
+    messages    [{"role": "system"|"user"|"assistant", "content": str}, ...], ending with a user turn;
+                used with the model's chat template (instruct models)
+    prompt      the same task as plain text that a base model can continue
+    max_tokens  int, MIN_MAX_TOKENS..MAX_MAX_TOKENS: how many tokens to generate
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgespec.errors import EdgespecError
+
+CATEGORIES: tuple[str, ...] = ("chat", "code_edit", "summarize_quote", "json_extract", "story", "multi_turn")
+DEFAULT_TASKS_DIR = Path(__file__).resolve().parents[2] / "bench" / "tasks"
+MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
+ROLES = ("system", "user", "assistant")
+_KEYS = ("id", "category", "messages", "prompt", "max_tokens")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One benchmark prompt: `messages` for chat-template models, `prompt` for base models."""
+
+    id: str
+    category: str
+    messages: tuple[dict[str, str], ...]
+    prompt: str
+    max_tokens: int
+
+
+def _check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(messages, list) or not messages:
+        raise EdgespecError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise EdgespecError(f"{where}: messages[{i}] must be an object with exactly 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise EdgespecError(f"{where}: messages[{i}] has role {m['role']!r} (expected one of {ROLES})")
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise EdgespecError(f"{where}: messages[{i}] 'content' must be a non-empty string")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise EdgespecError(f"{where}: the last message must have role 'user' (got {out[-1]['role']!r})")
+    return tuple(out)
+
+
+def _parse_line(line: str, where: str) -> Task:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise EdgespecError(f"{where}: bad JSON: {err.msg} (column {err.colno})") from None
+    if not isinstance(obj, dict):
+        raise EdgespecError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in _KEYS if k not in obj]
+    if missing:
+        raise EdgespecError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
+    unknown = sorted(set(obj) - set(_KEYS))
+    if unknown:
+        raise EdgespecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(_KEYS)})")
+    for key in ("id", "category", "prompt"):
+        if not isinstance(obj[key], str) or not obj[key].strip():
+            raise EdgespecError(f"{where}: {key!r} must be a non-empty string (got {obj[key]!r:.60})")
+    max_tokens = obj["max_tokens"]
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise EdgespecError(f"{where}: 'max_tokens' must be an integer (got {type(max_tokens).__name__})")
+    if not MIN_MAX_TOKENS <= max_tokens <= MAX_MAX_TOKENS:
+        raise EdgespecError(f"{where}: 'max_tokens' is {max_tokens}, out of range "
+                            f"{MIN_MAX_TOKENS}..{MAX_MAX_TOKENS}")
+    messages = _check_messages(obj["messages"], where)
+    return Task(obj["id"], obj["category"], messages, obj["prompt"], max_tokens)
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if not files:
+            raise EdgespecError(f"no .jsonl task files in {path}")
+        return files
+    if path.is_file():
+        return [path]
+    raise EdgespecError(f"task file or directory not found: {path}")
+
+
+def load_tasks(path: str | Path | None = None, categories: Sequence[str] | None = None) -> list[Task]:
+    """Load and validate tasks from a .jsonl file or a directory of them (default: the shipped suite).
+
+    Tasks come in file order, files in name order. `categories` keeps only those categories (in
+    file order); naming a category that has no task is an error.
+
+    Raises:
+        EdgespecError with one line naming file:line and the problem (bad JSON, missing or unknown
+        key, wrong type, duplicate id, max_tokens out of range), or the missing path.
+    """
+    if path is None:
+        if not DEFAULT_TASKS_DIR.is_dir():
+            raise EdgespecError(f"the task suite is not at {DEFAULT_TASKS_DIR} (edgespec is not run from a "
+                                "repository checkout); pass a tasks path explicitly")
+        path = DEFAULT_TASKS_DIR
+    tasks: list[Task] = []
+    seen: dict[str, str] = {}
+    for file in _files(Path(path)):
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise EdgespecError(f"cannot read task file {file}: {err}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{file}:{n}"
+            task = _parse_line(line, where)
+            if task.id in seen:
+                raise EdgespecError(f"{where}: duplicate id {task.id!r} (first at {seen[task.id]})")
+            seen[task.id] = where
+            tasks.append(task)
+    if not tasks:
+        raise EdgespecError(f"no tasks in {path}")
+    if categories is not None:
+        wanted = list(dict.fromkeys(categories))
+        present = {t.category for t in tasks}
+        absent = [c for c in wanted if c not in present]
+        if absent:
+            raise EdgespecError(f"no tasks in category {', '.join(map(repr, absent))} "
+                                f"(available: {', '.join(sorted(present))})")
+        tasks = [t for t in tasks if t.category in wanted]
+    return tasks
