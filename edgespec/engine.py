@@ -181,12 +181,10 @@ class Engine:
         decoder, stops = StreamDecoder(self.target.token_to_bytes), StopMatcher(stop)
         n_ctx, generated = self.target.n_ctx, 0
         while True:
-            if self._cancel.is_set():
-                yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled")
-                return
             room = n_ctx - len(self._kv) - 1  # positions left after `pending`
-            if room < 0:
-                yield Chunk(stops.flush() + decoder.flush(), [], [], "length")
+            if self._cancel.is_set() or room < 0:
+                stats.peak_rss_mb = peak_rss_mb()
+                yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled" if room >= 0 else "length")
                 return
             g = max(0, min(gamma, max_tokens - generated - 1, room))
             emitted, n_acc = self._cycle(pending, g, params, rng, stats)
@@ -209,7 +207,8 @@ class Engine:
                 text += stops.push(decoder.flush()) + stops.flush()
             flags = [i < n_acc for i in range(len(emitted))]
             stats.t_other += time.perf_counter() - t_post
-            stats.peak_rss_mb = max(stats.peak_rss_mb, peak_rss_mb()) if reason else stats.peak_rss_mb
+            if reason is not None:
+                stats.peak_rss_mb = peak_rss_mb()
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
                 return
