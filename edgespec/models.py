@@ -235,6 +235,11 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + _SIDECAR_SUFFIX)
 
 
+def model_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a model file, from its verified sidecar when it has one (no file is written)."""
+    return _cached_hash(Path(path)) or sha256_file(path)
+
+
 def _cached_hash(path: Path) -> str | None:
     """The sidecar's hash if it still describes this file (same size and mtime)."""
     try:

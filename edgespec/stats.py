@@ -35,6 +35,7 @@ class Stats:
     n_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # [i] = drafts accepted at position i+1
     drafted_at: list[int] = field(default_factory=list)  # [i] = drafts proposed at position i+1
+    cycles: list[tuple[int, int]] = field(default_factory=list)  # per cycle: (drafted, accepted)
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_verify: float = 0.0  # target forward passes of the decode cycles
@@ -60,6 +61,7 @@ class Stats:
 
     def record_cycle(self, n_draft: int, n_accepted: int) -> None:
         self.n_cycles += 1
+        self.cycles.append((n_draft, n_accepted))
         self.n_drafted += n_draft
         self.n_accepted += n_accepted
         for arr, n in ((self.drafted_at, n_draft), (self.accepted_at, n_accepted)):
@@ -77,6 +79,7 @@ class Stats:
             a, b = getattr(self, name), getattr(other, name)
             n = max(len(a), len(b))
             setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+        out.cycles = self.cycles + other.cycles
         out.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)
         return out
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from edgespec.cli import models_cmd, ui
+from edgespec.cli import bench_cmd, models_cmd, profile_cmd, ui
 from edgespec.cli.options import RunOptions, run_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
@@ -48,6 +48,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(models_cmd.app)
+app.command()(profile_cmd.profile)
+app.command()(bench_cmd.bench)
 
 
 def _version(value: bool) -> None:

@@ -7,7 +7,8 @@ text); status, stats and errors go to stderr.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
@@ -118,3 +119,14 @@ def print_table(columns: Sequence[str], rows: Iterable[Sequence[object]], *, tit
     for row in rows:
         table.add_row(*(escape(str(v)) for v in row))
     Console(file=sys.stdout).print(table)
+
+
+@contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr; yields `advance_to(completed)`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=_stderr(), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda done: bar.update(task, completed=done)

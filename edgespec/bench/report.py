@@ -1,0 +1,82 @@
+"""Bench results → results.json, results.md (tables) and PNG plots (matplotlib, optional)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict]) -> None:
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+
+
+def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> str:
+    lines = [f"# edgespec bench — {Path(meta['target']).name}", "",
+             f"Command: `{meta['command']}`", "",
+             f"Machine: {meta['env']['platform']}, {meta['env']['machine']}, {meta['threads']} threads · "
+             f"edgespec {meta['env']['edgespec']} · llama-cpp-python {meta['env']['llama_cpp']} · {meta['env']['date']}",
+             "", "Models: " + ", ".join(f"`{Path(p).name}` ({h[:12]}…)" for p, h in meta["sha256"].items()), "",
+             "Speedup = spec tok/s ÷ the plain run just before it (alternating), min / **median** / max over "
+             "tasks × repeats. τ = tokens per target pass. Acceptance: P(position i accepted | reached). "
+             "Efficiency = median speedup ÷ ideal speedup of the same cycles (from `edgespec profile`'s T(k)).", ""]
+    for temp in sorted({r["temperature"] for r in summary}):
+        lines += [f"## temperature {temp:g}", "",
+                  "| category | config | plain tok/s | spec tok/s | speedup min / med / max | τ | efficiency | "
+                  "acceptance by position | draft / verify / other | peak RSS MiB | greedy mismatches |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in summary if r["temperature"] == temp):
+            eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "–"
+            acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:8]) or "–"
+            split = " / ".join(f"{r['split'][k]:.0%}" for k in ("draft", "verify", "other"))
+            mism = ("**" + str(r["mismatches"]) + "**") if r["mismatches"] else ("0" if temp == 0 else "–")
+            cat = f"**{r['category']}**" if r["category"] == "all" else r["category"]
+            lines.append(f"| {cat} | {r['config']} | {r['plain_tok_per_s']:.1f} | {r['tok_per_s']:.1f} | "
+                         f"{r['speedup_min']:.2f} / **{r['speedup_median']:.2f}** / {r['speedup_max']:.2f} | "
+                         f"{r['tau']:.2f} | {eff} | {acc} | {split} | {r['peak_rss_mb']:.0f} | {mism} |")
+        lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plots(out: Path, summary: Sequence[dict]) -> list[str]:
+    """speedup.png (median speedup per category and config) and acceptance.png; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    names = []
+    for temp in sorted({r["temperature"] for r in summary}):
+        rows = [r for r in summary if r["temperature"] == temp]
+        configs = sorted({r["config"] for r in rows})
+        cats = sorted({r["category"] for r in rows if r["category"] != "all"}) + ["all"]
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        width = 0.8 / max(1, len(configs))
+        for j, cfg in enumerate(configs):
+            vals = [next((r["speedup_median"] for r in rows if r["config"] == cfg and r["category"] == c), 0) for c in cats]
+            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=cfg)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20, fontsize=8)
+        ax.set_ylabel("speedup vs plain (median)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"speedup_t{temp:g}.png"
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(5, 3))
+        for cfg in configs:
+            acc = next(r["acceptance_by_position"] for r in rows if r["config"] == cfg and r["category"] == "all")
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=cfg)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | reached)")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name2 = f"acceptance_t{temp:g}.png"
+        fig.savefig(out / name2, dpi=90)
+        plt.close(fig)
+        names += [name, name2]
+    return names

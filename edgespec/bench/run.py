@@ -1,0 +1,153 @@
+"""`edgespec bench`: plain decoding vs speculative configs, alternating on the same backend.
+
+For every task and repeat the order is plain, config₁, plain, config₂, …: each speculative run is
+paired with the plain run just before it, so machine drift hits both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from edgespec.bench.tasks import Task
+from edgespec.engine import Engine
+from edgespec.stats import Stats
+
+
+@dataclass(frozen=True)
+class Config:
+    drafter: str  # "ngram", a GGUF path or model name
+    k: int
+
+    @property
+    def label(self) -> str:
+        name = self.drafter if self.drafter == "ngram" or "/" not in self.drafter else self.drafter.rsplit("/", 1)[1]
+        return f"{name} k={self.k}"
+
+
+@dataclass
+class Run:
+    task: str
+    category: str
+    config: str  # Config.label, or "plain"
+    temperature: float
+    repeat: int
+    tok_per_s: float
+    n_tokens: int
+    tau: float
+    drafted_at: list[int]
+    accepted_at: list[int]
+    t_draft: float
+    t_verify: float
+    t_other: float
+    peak_rss_mb: float
+    cycles: list[tuple[int, int]] = field(default_factory=list)
+    plain_tok_per_s: float | None = None  # the paired plain run's speed
+    matches_plain: bool | None = None  # greedy only: spec tokens == plain tokens
+
+
+def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Config], tasks: Sequence[Task],
+               temperatures: Sequence[float], repeats: int, chat: bool,
+               on_run: Callable[[Run], None] | None = None) -> list[Run]:
+    """Run every task × temperature × repeat as plain, config, plain, config, … and return all runs.
+    `drafters` maps Config.drafter to a loaded drafter; the engine's drafter is swapped per config."""
+    runs: list[Run] = []
+    for task in tasks:
+        for temp in temperatures:
+            for rep in range(repeats):
+                for cfg in configs:
+                    kw = dict(max_tokens=task.max_tokens, temperature=temp, seed=1000 * rep + 1, num_draft=cfg.k)
+                    plain = _one(engine, task, kw, chat, speculative=False)
+                    engine.drafter = drafters[cfg.drafter]
+                    spec = _one(engine, task, kw, chat, speculative=True)
+                    for label, (gen, stats) in (("plain", plain), (cfg.label, spec)):
+                        r = _record(task, label, temp, rep, stats)
+                        if label != "plain":
+                            r.plain_tok_per_s = plain[1].tok_per_s
+                            r.matches_plain = gen.tokens == plain[0].tokens if temp == 0 else None
+                        runs.append(r)
+                        if on_run:
+                            on_run(r)
+    return runs
+
+
+def _one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool):
+    engine.reset()  # every run pays its own prompt: no cache carried between configs
+    gen = (engine.chat(list(task.messages), speculative=speculative, **kw) if chat
+           else engine.generate(task.prompt, speculative=speculative, **kw))
+    return gen, gen.stats
+
+
+def _record(task: Task, label: str, temp: float, rep: int, s: Stats) -> Run:
+    return Run(task.id, task.category, label, temp, rep, s.tok_per_s, s.n_tokens, s.tau, list(s.drafted_at),
+               list(s.accepted_at), s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles))
+
+
+def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
+              draft_per_token_ms: dict[str, float] | None = None) -> list[dict]:
+    """Per (config, temperature, category) and per (config, temperature, "all"): medians and ratios."""
+    groups: dict[tuple[str, float, str], list[Run]] = {}
+    for r in runs:
+        if r.config == "plain":
+            continue
+        for cat in (r.category, "all"):
+            groups.setdefault((r.config, r.temperature, cat), []).append(r)
+    rows = []
+    for (config, temp, cat), rs in sorted(groups.items()):
+        ratios = sorted(r.tok_per_s / r.plain_tok_per_s for r in rs if r.plain_tok_per_s)
+        t_total = sum(r.t_draft + r.t_verify + r.t_other for r in rs) or 1.0
+        row = dict(config=config, temperature=temp, category=cat, n=len(rs),
+                   tok_per_s=statistics.median(r.tok_per_s for r in rs),
+                   plain_tok_per_s=statistics.median(r.plain_tok_per_s for r in rs if r.plain_tok_per_s),
+                   speedup_min=ratios[0], speedup_median=statistics.median(ratios), speedup_max=ratios[-1],
+                   tau=sum(r.n_tokens for r in rs) / max(1, sum(len(r.cycles) for r in rs)),
+                   acceptance_by_position=acceptance_by_position([c for r in rs for c in r.cycles]),
+                   split={"draft": sum(r.t_draft for r in rs) / t_total, "verify": sum(r.t_verify for r in rs) / t_total,
+                          "other": sum(r.t_other for r in rs) / t_total},
+                   peak_rss_mb=max(r.peak_rss_mb for r in rs),
+                   mismatches=sum(1 for r in rs if r.matches_plain is False))
+        if t_forward_ms:
+            per_tok = (draft_per_token_ms or {}).get(config, 0.0)
+            row["ideal_speedup"] = _ideal(rs, t_forward_ms, per_tok)
+            row["efficiency"] = row["speedup_median"] / row["ideal_speedup"] if row["ideal_speedup"] else None
+        rows.append(row)
+    return rows
+
+
+def _ideal(rs: Sequence[Run], t: dict[int, float], draft_per_token_ms: float) -> float | None:
+    """Tokens × T(1) over Σ cycles (T_draft(d) + T(d+1)): the speedup of these very cycles at zero overhead."""
+    cost = 0.0
+    for r in rs:
+        for d, _ in r.cycles:
+            if d + 1 not in t:
+                return None
+            cost += d * draft_per_token_ms + t[d + 1]
+    return sum(r.n_tokens for r in rs) * t[1] / cost if cost else None
+
+
+def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float]:
+    """P(draft position i is accepted | it was drafted and positions before it were accepted)."""
+    out = []
+    for i in range(max((d for d, _ in cycles), default=0)):
+        reached = sum(1 for d, n in cycles if d > i and n >= i)
+        out.append(sum(1 for _, n in cycles if n > i) / reached if reached else 0.0)
+    return out
+
+
+def environment() -> dict:
+    import llama_cpp
+    import numpy
+
+    import edgespec
+
+    return dict(python=sys.version.split()[0], platform=platform.platform(), machine=platform.machine(),
+                processor=platform.processor(), edgespec=edgespec.__version__, llama_cpp=llama_cpp.__version__,
+                numpy=numpy.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def runs_as_dicts(runs: Sequence[Run]) -> list[dict]:
+    return [asdict(r) for r in runs]

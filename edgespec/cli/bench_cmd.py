@@ -1,0 +1,108 @@
+"""`edgespec bench`: plain vs speculative configs per task category, alternating; tables and plots."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgespec.cli import ui
+
+
+def bench(
+    target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name.")] = "smollm2",
+    drafter: Annotated[list[str] | None, typer.Option(
+        "--drafter", help="Drafter config (repeatable): 'ngram' or a same-vocabulary GGUF path/name.")] = None,
+    k: Annotated[list[int] | None, typer.Option("-k", "--num-draft", min=1, help="γ values (repeatable).")] = None,
+    temp: Annotated[list[float] | None, typer.Option(
+        "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")] = None,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="A .jsonl file or folder (default: bench/tasks).")] = None,
+    category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories.")] = None,
+    per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category.")] = 3,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1)] = 1,
+    threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
+    ctx: Annotated[int, typer.Option("--ctx", min=64)] = 2048,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")] = Path("out/bench"),
+) -> None:
+    """Plain decoding vs each speculative config on the task suite, alternating in one process on the
+    same backend; per config and category: tok/s, speedup min/median/max, τ, acceptance by position,
+    time split, peak RSS, greedy mismatches, and efficiency vs the ideal speedup from `edgespec profile`."""
+    import dataclasses
+
+    import llama_cpp
+
+    from edgespec.api import make_drafter, open_backend
+    from edgespec.backends.llama_cpp import default_threads
+    from edgespec.bench import report
+    from edgespec.bench.profile import CostProfile, cache_path
+    from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
+    from edgespec.bench.tasks import load_tasks
+    from edgespec.engine import Engine
+    from edgespec.models import model_sha256
+
+    threads = threads or default_threads()
+    chosen = load_tasks(tasks, category)
+    by_cat: dict[str, list] = {}
+    for t in chosen:
+        if len(by_cat.setdefault(t.category, [])) < per_category:
+            by_cat[t.category].append(dataclasses.replace(t, max_tokens=min(t.max_tokens, max_tokens or t.max_tokens)))
+    selected = [t for ts in by_cat.values() for t in ts]
+    configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in (k or [4])]
+    temps = temp or [0.0]
+    engine = Engine(open_backend(target, threads=threads, n_ctx=ctx))
+    drafters = {}
+    try:
+        for d in {c.drafter for c in configs}:
+            drafters[d] = make_drafter(d, engine.target, threads=threads, n_ctx=ctx)
+        chat = engine.target.metadata("tokenizer.chat_template") is not None
+        total = len(selected) * len(temps) * repeats * len(configs) * 2
+        ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
+                  f"config(s), each paired with a plain run: {total} generations "
+                  f"({'chat template' if chat else 'plain prompts'})")
+        done, mismatches = [0], []
+
+        def on_run(r) -> None:
+            done[0] += 1
+            advance(done[0])
+            if r.matches_plain is False:
+                mismatches.append(f"{r.task} {r.config}")
+                ui.print_error(f"greedy mismatch: {r.task} with {r.config} differs from plain decoding")
+
+        with ui.progress("bench", total) as advance:
+            runs = run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run)
+        sha = {engine.target.path: model_sha256(engine.target.path)}
+        for d in drafters.values():
+            if getattr(d, "model", None) is not None:
+                sha[d.model.path] = model_sha256(d.model.path)
+        prof_path = cache_path(sha[engine.target.path], engine.target.name, threads, llama_cpp.__version__)
+        t_fwd = CostProfile.from_json(prof_path.read_text()).t_forward_ms if prof_path.is_file() else None
+        if t_fwd is None:
+            ui.status(f"no cost profile for this target/threads: run `edgespec profile --model {target} "
+                      f"--threads {threads}` to get efficiency figures")
+        summary = summarize(runs, t_fwd)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]), target=engine.target.path,
+                    threads=threads, env=environment(), sha256=sha, configs=[c.label for c in configs],
+                    temperatures=temps, repeats=repeats, tasks=[t.id for t in selected])
+        report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
+        pngs = report.plots(out, summary)
+        (out / "results.md").write_text(report.markdown(meta, summary, pngs))
+        ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ", "mismatches"],
+                       [[r["config"], f"{r['temperature']:g}", f"{r['plain_tok_per_s']:.1f}", f"{r['tok_per_s']:.1f}",
+                         f"{r['speedup_min']:.2f} / {r['speedup_median']:.2f} / {r['speedup_max']:.2f}",
+                         f"{r['tau']:.2f}", r["mismatches"]] for r in summary if r["category"] == "all"],
+                       title="all categories (per-category tables in results.md)")
+        ui.status(f"wrote {out / 'results.md'}, results.json" + (f", {', '.join(pngs)}" if pngs else ""))
+        if mismatches:
+            ui.print_error(f"{len(mismatches)} greedy run(s) differ from plain decoding: {', '.join(mismatches[:5])}")
+            raise typer.Exit(1)
+    finally:
+        for d in drafters.values():
+            if d is not None:
+                d.close()
+        engine.drafter = None
+        engine.close()

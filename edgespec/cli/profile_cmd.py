@@ -1,0 +1,107 @@
+"""`edgespec profile`: measure T(k), a drafter's cost and acceptance, and print the ideal speedups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from edgespec.cli import ui
+
+
+def profile(
+    model: Annotated[str, typer.Option("--model", "-m", help="Target: GGUF path or known model name.")] = "smollm2",
+    drafter: Annotated[str, typer.Option(
+        "--drafter", help="Drafter to cost and to measure acceptance with ('ngram', a GGUF, or 'none').")] = "ngram",
+    max_k: Annotated[int, typer.Option("--max-k", min=2, max=64, help="Time forwards of 1..K tokens.")] = 16,
+    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Alternating repeats (medians).")] = 5,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads.")] = None,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Re-measure T(k) even if cached.")] = False,
+    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG of T(k)/T(1) (needs matplotlib).")] = None,
+) -> None:
+    """Measure the target's forward time T(k) with logits for all k rows (what verification pays),
+    the drafter's cost, its acceptance on one bench task per category, and the ideal speedup
+    E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)) for each γ. T(k) is cached per model, threads and version."""
+    import llama_cpp
+
+    from edgespec.api import make_drafter, open_backend
+    from edgespec.backends.llama_cpp import default_threads
+    from edgespec.bench.profile import CostProfile, cache_path, expected_tau, time_forward
+    from edgespec.bench.tasks import load_tasks
+    from edgespec.engine import Engine
+    from edgespec.models import model_sha256
+
+    threads = threads or default_threads()
+    target = open_backend(model, threads=threads, n_ctx=2048)
+    sha, version = model_sha256(target.path), llama_cpp.__version__
+    cached = cache_path(sha, target.name, threads, version)
+    if cached.is_file() and not refresh:
+        prof = CostProfile.from_json(cached.read_text())
+        ui.status(f"T(k) from the cache {cached} (--refresh to re-measure)")
+    else:
+        ks = list(range(1, max_k + 1))
+        with ui.progress(f"timing T(1..{max_k})", repeats) as advance:
+            t = time_forward(target, ks, repeats, progress=lambda done, _: advance(done))
+        prof = CostProfile(target.path, sha, target.name, version, threads, t)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(prof.to_json())
+        ui.status(f"saved {cached}")
+    engine = Engine(target, make_drafter(None if drafter == "none" else drafter, target, threads=threads,
+                                         n_ctx=2048))
+    try:
+        gammas = [g for g in range(0, max_k) if g + 1 in prof.t_forward_ms]
+        rows_tau = {0: 1.0}
+        if engine.drafter is not None:
+            prof.draft_kind = engine.drafter.name
+            dm = getattr(engine.drafter, "model", None)
+            if dm is not None:  # a draft model pays one forward per drafted token
+                prof.draft_per_token_ms = time_forward(dm, [1], repeats)[1]
+            g_max = max(gammas)
+            tasks = list({t.category: t for t in reversed(load_tasks())}.values())  # the first of each category
+            chat = target.metadata("tokenizer.chat_template") is not None
+            cycles = []
+            with ui.progress(f"acceptance at γ={g_max} on {len(tasks)} tasks", len(tasks)) as advance:
+                for i, task in enumerate(tasks):
+                    kw = dict(max_tokens=min(task.max_tokens, 96), num_draft=g_max)
+                    g = engine.chat(list(task.messages), **kw) if chat else engine.generate(task.prompt, **kw)
+                    cycles += g.stats.cycles
+                    advance(i + 1)
+            drafted, accepted = [d for d, _ in cycles], [a for _, a in cycles]
+            rows_tau.update({g: expected_tau(accepted, drafted, g) for g in gammas if g > 0})
+        t1 = prof.t_forward_ms[1]
+        ui.print_table(
+            ["γ", "T(γ+1) ms", "T(γ+1)/T(1)", "T_draft(γ) ms", "E[τ(γ)]", "ideal speedup"],
+            [[g, f"{prof.t_forward_ms[g + 1]:.1f}", f"{prof.t_forward_ms[g + 1] / t1:.2f}", f"{prof.t_draft(g):.2f}",
+              f"{rows_tau[g]:.2f}" if g in rows_tau else "–",
+              f"{prof.ideal_speedup(g, rows_tau[g]):.2f}×" if g in rows_tau else "–"] for g in gammas],
+            title=f"{target.path} · {target.name} {version} · {threads} threads · drafter {prof.draft_kind or 'none'}")
+        if plot:
+            _plot(prof, plot)
+            ui.status(f"wrote {plot}")
+    finally:
+        engine.close()
+
+
+def _plot(prof, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from edgespec.errors import MissingDependencyError
+
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'edgespec[plot]'") from e
+    ks = sorted(prof.t_forward_ms)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(ks, [prof.t_forward_ms[k] / prof.t_forward_ms[1] for k in ks], marker="o", label="T(k)/T(1)")
+    ax.plot(ks, ks, linestyle=":", color="grey", label="k (no batching gain)")
+    ax.set_xlabel("tokens per forward (k)")
+    ax.set_ylabel("T(k) / T(1)")
+    ax.set_title(f"{Path(prof.model).name} · {prof.threads} threads", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

@@ -1,0 +1,72 @@
+"""The bench harness on the reference backend: alternation, pairing, summaries, reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgespec.backends.reference import ReferenceBackend
+from edgespec.bench import report
+from edgespec.bench.run import Config, acceptance_by_position, run_matrix, summarize
+from edgespec.bench.tasks import Task
+from edgespec.drafters.draft_model import DraftModelDrafter
+from edgespec.drafters.ngram import NgramDrafter
+from edgespec.engine import Engine
+
+TASKS = [Task(f"{c}-0{i}", c, ({"role": "user", "content": "x"},), p, 40)
+         for c, p in (("copy", "abcabcabcab"), ("free", "fedcb")) for i in (1, 2)]
+
+
+def _engine():
+    target = ReferenceBackend(6, seed=5)
+    drafters = {"ngram": NgramDrafter(), "draft": DraftModelDrafter(target.perturbed(0.5), 6)}
+    return Engine(target), drafters
+
+
+def test_runs_alternate_plain_and_spec_and_greedy_matches():
+    engine, drafters = _engine()
+    seen = []
+    configs = [Config("ngram", 3), Config("draft", 2)]
+    runs = run_matrix(engine, drafters, configs, TASKS, [0.0, 0.8], 2, chat=False, on_run=seen.append)
+    assert len(runs) == len(TASKS) * 2 * 2 * len(configs) * 2
+    assert [r.config for r in runs[:4]] == ["plain", "ngram k=3", "plain", "draft k=2"]  # A B A B
+    specs = [r for r in runs if r.config != "plain"]
+    assert all(r.plain_tok_per_s for r in specs)
+    assert all(r.matches_plain for r in specs if r.temperature == 0)  # lossless on the oracle
+    assert all(r.matches_plain is None for r in specs if r.temperature > 0)
+    assert seen == runs
+
+
+def test_summary_rows_per_category_and_overall(tmp_path):
+    engine, drafters = _engine()
+    runs = run_matrix(engine, drafters, [Config("ngram", 4)], TASKS, [0.0], 1, chat=False)
+    summary = summarize(runs, t_forward_ms={k: 1.0 + 0.5 * (k - 1) for k in range(1, 17)})
+    cats = {r["category"] for r in summary}
+    assert cats == {"copy", "free", "all"}
+    for r in summary:
+        assert r["speedup_min"] <= r["speedup_median"] <= r["speedup_max"]
+        assert r["mismatches"] == 0 and r["ideal_speedup"] > 0
+        assert abs(sum(r["split"].values()) - 1) < 1e-9
+    copy = next(r for r in summary if r["category"] == "copy")
+    assert copy["tau"] > 1.0  # the repetitive prompt gets accepted drafts
+    meta = dict(command="edgespec bench", target="ref", threads=1, sha256={"ref": "0" * 64},
+                env=dict(platform="p", machine="m", edgespec="0", llama_cpp="0", date="d"))
+    report.write_json(tmp_path / "results.json", meta, summary, [])
+    assert json.loads((tmp_path / "results.json").read_text())["summary"] == summary
+    md = report.markdown(meta, summary, ["speedup_t0.png"])
+    assert "| **all** | ngram k=4 |" in md and "speedup_t0.png" in md
+
+
+def test_acceptance_by_position_is_conditional():
+    # (drafted, accepted): position 1 reached 4×, accepted 3×; position 2 reached 3× (one draft was short)
+    cycles = [(3, 3), (3, 1), (1, 1), (2, 0), (0, 0)]
+    acc = acceptance_by_position(cycles)
+    assert acc[0] == pytest.approx(3 / 4)
+    assert acc[1] == pytest.approx(1 / 2)  # reached by (3,3) and (3,1); accepted by (3,3)
+    assert acc[2] == pytest.approx(1.0)
+
+
+def test_config_labels():
+    assert Config("ngram", 4).label == "ngram k=4"
+    assert Config("/x/y/gemma.gguf", 2).label == "gemma.gguf k=2"

@@ -1,0 +1,59 @@
+"""Cost profiles: T(k) timing mechanics, the E[τ(γ)] estimator, the ideal-speedup formula, the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from edgespec.backends.reference import ReferenceBackend
+from edgespec.bench.profile import CostProfile, cache_path, expected_tau, time_forward
+
+
+def test_time_forward_covers_every_k_and_leaves_the_cache_empty():
+    backend = ReferenceBackend(8, n_ctx=512)
+    t = time_forward(backend, [1, 2, 4, 8], repeats=3)
+    assert sorted(t) == [1, 2, 4, 8] and all(v > 0 for v in t.values())
+    assert backend.n_past == 0
+    assert backend.n_evals == 2 + 3 * 4  # context + warm-up, then every k in every repeat
+
+
+def test_expected_tau_truncates_cycles_of_a_longer_draft():
+    drafted, accepted = [4, 4, 2, 0], [4, 1, 2, 0]  # full, partial, short draft, plain step
+    assert expected_tau(accepted, drafted, 4) == pytest.approx((5 + 2 + 3 + 1) / 4)
+    assert expected_tau(accepted, drafted, 1) == pytest.approx((2 + 2 + 2 + 1) / 4)
+    assert expected_tau([], [], 3) == 1.0
+
+
+def test_ideal_speedup_and_json_roundtrip():
+    prof = CostProfile("m.gguf", "ab" * 32, "llama.cpp", "0.3.36", 2, {1: 10.0, 2: 15.0, 3: 20.0},
+                       draft_kind="draft-model", draft_per_token_ms=2.0)
+    assert prof.t_draft(0) == 0 and prof.t_draft(2) == 4.0
+    assert prof.ideal_speedup(2, expected_tau=2.4) == pytest.approx(2.4 * 10 / (4 + 20))
+    again = CostProfile.from_json(prof.to_json())
+    assert again == prof and again.t_forward_ms[3] == 20.0
+
+
+def test_cache_path_is_keyed_and_under_edgespec_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    p = cache_path("0123456789abcdef" * 4, "llama.cpp", 2, "0.3.36")
+    assert p.parent == tmp_path / "profiles"
+    assert "0123456789abcdef" in p.name and "t2" in p.name and "0.3.36" in p.name
+
+
+@pytest.mark.real
+def test_profile_command_on_smollm2(monkeypatch, tmp_path, smollm2_path):
+    from edgespec.cli.app import app
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    args = ["profile", "--model", str(smollm2_path), "--max-k", "4", "--repeats", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "ideal speedup" in result.output
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert sorted(int(k) for k in data["t_forward_ms"]) == [1, 2, 3, 4]
+    again = CliRunner().invoke(app, args)  # second run reads T(k) from the cache
+    assert again.exit_code == 0 and "from the cache" in again.output
