@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models demo test test-fast lint clean
+.PHONY: install models demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,24 @@ test: models
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real and not slow"
+
+# The default benchmark matrix (~10 min here): per pair, 2 tasks per category, greedy and T=0.7,
+# each speculative run alternating with a plain run. Writes bench/results/<pair>/ and bench/RESULTS.md.
+# --no-strict: greedy mismatches (expected for the F16 target, README known limits) are reported
+# loudly and counted in the tables instead of stopping the matrix.
+BENCH_ARGS ?= --per-category 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
+BENCH_PAIRS := smollm2-ngram:smollm2:ngram gemma3-ngram:gemma3:ngram \
+               gemma3-f16-draft:gemma3-f16:gemma3 gemma3-q8_0-draft:gemma3-q8_0:gemma3
+bench: models
+	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
+	@set -e; printf '# edgespec benchmark results\n\nMade by `make bench` (%s). Each section is one `edgespec bench` run;\nits command is in the section.\n\n' "$$(date -u +%F)" > bench/RESULTS.md; \
+	for spec in $(BENCH_PAIRS); do \
+	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; drafter=$${rest#*:}; \
+	  $(BIN)/edgespec profile --model $$target --drafter none --repeats 3 > /dev/null; \
+	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k 4 $(BENCH_ARGS) --out bench/results/$$name; \
+	  sed -e 's|^# |## |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
+	    bench/results/$$name/results.md >> bench/RESULTS.md; \
+	done
 
 lint: install
 	$(BIN)/ruff check edgespec tests

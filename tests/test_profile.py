@@ -57,3 +57,16 @@ def test_profile_command_on_smollm2(monkeypatch, tmp_path, smollm2_path):
     assert sorted(int(k) for k in data["t_forward_ms"]) == [1, 2, 3, 4]
     again = CliRunner().invoke(app, args)  # second run reads T(k) from the cache
     assert again.exit_code == 0 and "from the cache" in again.output
+
+
+def test_ideal_speedup_of_truncated_cycles():
+    from edgespec.bench.profile import ideal_speedup_at
+
+    prof = CostProfile("m", "0" * 64, "b", "v", 1, {1: 10.0, 2: 15.0, 3: 20.0}, draft_per_token_ms=1.0)
+    cycles = [(2, 2), (0, 0)]  # a full draft, then a plain step (n-gram found nothing)
+    # γ=2: tokens 3 + 1; cost (2·1 + 20) + (0 + 10)
+    assert ideal_speedup_at(prof, cycles, 2) == pytest.approx(4 * 10 / 32)
+    # γ=1: tokens 2 + 1; cost (1 + 15) + 10
+    assert ideal_speedup_at(prof, cycles, 1) == pytest.approx(3 * 10 / 26)
+    # with full drafts it is the formula E[τ]·T(1)/(T_draft(γ)+T(γ+1))
+    assert ideal_speedup_at(prof, [(2, 2)], 2) == pytest.approx(prof.ideal_speedup(2, expected_tau=3.0))

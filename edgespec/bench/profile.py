@@ -85,6 +85,15 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def ideal_speedup_at(prof: CostProfile, cycles: Sequence[tuple[int, int]], gamma: int) -> float:
+    """The ideal speedup at γ of cycles (drafted, accepted) recorded at a larger γ, each truncated to
+    γ: Σ tokens · T(1) / Σ (T_draft(d) + T(d+1)) with d = min(drafted, γ). A drafter that proposes
+    fewer tokens (n-gram without a match) pays only the shorter verification."""
+    tokens = sum(min(n, gamma, d) + 1 for d, n in cycles)
+    cost = sum(prof.t_draft(min(d, gamma)) + prof.t_forward_ms[min(d, gamma) + 1] for d, _ in cycles)
+    return tokens * prof.t_forward_ms[1] / cost if cost else 1.0
+
+
 def expected_tau(accepted: Sequence[int], drafted: Sequence[int], gamma: int) -> float:
     """E[τ(γ)] estimated from cycles of a run at a larger γ: a deterministic drafter's first γ
     tokens are the same at any γ ≥ them, so a cycle that drafted L and had n accepted would have

@@ -27,7 +27,7 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in summary if r["temperature"] == temp):
             eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "–"
-            acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:8]) or "–"
+            acc = " ".join("–" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"][:8]) or "–"
             split = " / ".join(f"{r['split'][k]:.0%}" for k in ("draft", "verify", "other"))
             mism = ("**" + str(r["mismatches"]) + "**") if r["mismatches"] else ("0" if temp == 0 else "–")
             cat = f"**{r['category']}**" if r["category"] == "all" else r["category"]
@@ -69,7 +69,7 @@ def plots(out: Path, summary: Sequence[dict]) -> list[str]:
         fig, ax = plt.subplots(figsize=(5, 3))
         for cfg in configs:
             acc = next(r["acceptance_by_position"] for r in rows if r["config"] == cfg and r["category"] == "all")
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=cfg)
+            ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o", label=cfg)
         ax.set_xlabel("draft position")
         ax.set_ylabel("P(accepted | reached)")
         ax.set_ylim(0, 1.05)

@@ -129,12 +129,13 @@ def _ideal(rs: Sequence[Run], t: dict[int, float], draft_per_token_ms: float) ->
     return sum(r.n_tokens for r in rs) * t[1] / cost if cost else None
 
 
-def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float]:
-    """P(draft position i is accepted | it was drafted and positions before it were accepted)."""
-    out = []
+def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float | None]:
+    """P(draft position i is accepted | it was drafted and positions before it were accepted);
+    None where no cycle reached position i."""
+    out: list[float | None] = []
     for i in range(max((d for d, _ in cycles), default=0)):
         reached = sum(1 for d, n in cycles if d > i and n >= i)
-        out.append(sum(1 for _, n in cycles if n > i) / reached if reached else 0.0)
+        out.append(sum(1 for _, n in cycles if n > i) / reached if reached else None)
     return out
 
 

@@ -21,13 +21,14 @@ def profile(
     plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG of T(k)/T(1) (needs matplotlib).")] = None,
 ) -> None:
     """Measure the target's forward time T(k) with logits for all k rows (what verification pays),
-    the drafter's cost, its acceptance on one bench task per category, and the ideal speedup
-    E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)) for each γ. T(k) is cached per model, threads and version."""
+    the drafter's cost, its acceptance on one bench task per category (greedy, γ = K−1), and the
+    ideal speedup E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)) for each γ, taken over the recorded cycles
+    truncated to γ (a drafter that proposes fewer tokens pays a shorter verification). T(k) is cached per model, threads and version."""
     import llama_cpp
 
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
-    from edgespec.bench.profile import CostProfile, cache_path, expected_tau, time_forward
+    from edgespec.bench.profile import CostProfile, cache_path, expected_tau, ideal_speedup_at, time_forward
     from edgespec.bench.tasks import load_tasks
     from edgespec.engine import Engine
     from edgespec.models import model_sha256
@@ -51,7 +52,7 @@ def profile(
                                          n_ctx=2048))
     try:
         gammas = [g for g in range(0, max_k) if g + 1 in prof.t_forward_ms]
-        rows_tau = {0: 1.0}
+        rows_tau, ideal, mean_draft = {0: 1.0}, {0: 1.0}, {0: 0.0}
         if engine.drafter is not None:
             prof.draft_kind = engine.drafter.name
             dm = getattr(engine.drafter, "model", None)
@@ -69,12 +70,14 @@ def profile(
                     advance(i + 1)
             drafted, accepted = [d for d, _ in cycles], [a for _, a in cycles]
             rows_tau.update({g: expected_tau(accepted, drafted, g) for g in gammas if g > 0})
+            ideal.update({g: ideal_speedup_at(prof, cycles, g) for g in gammas if g > 0})
+            mean_draft.update({g: sum(min(d, g) for d in drafted) / max(1, len(drafted)) for g in gammas})
         t1 = prof.t_forward_ms[1]
         ui.print_table(
-            ["γ", "T(γ+1) ms", "T(γ+1)/T(1)", "T_draft(γ) ms", "E[τ(γ)]", "ideal speedup"],
+            ["γ", "T(γ+1) ms", "T(γ+1)/T(1)", "T_draft(γ) ms", "mean drafted", "E[τ(γ)]", "ideal speedup"],
             [[g, f"{prof.t_forward_ms[g + 1]:.1f}", f"{prof.t_forward_ms[g + 1] / t1:.2f}", f"{prof.t_draft(g):.2f}",
-              f"{rows_tau[g]:.2f}" if g in rows_tau else "–",
-              f"{prof.ideal_speedup(g, rows_tau[g]):.2f}×" if g in rows_tau else "–"] for g in gammas],
+              f"{mean_draft[g]:.2f}" if g in mean_draft else "–", f"{rows_tau[g]:.2f}" if g in rows_tau else "–",
+              f"{ideal[g]:.2f}×" if g in ideal else "–"] for g in gammas],
             title=f"{target.path} · {target.name} {version} · {threads} threads · drafter {prof.draft_kind or 'none'}")
         if plot:
             _plot(prof, plot)
