@@ -70,3 +70,26 @@ def test_acceptance_by_position_is_conditional():
 def test_config_labels():
     assert Config("ngram", 4).label == "ngram k=4"
     assert Config("/x/y/gemma.gguf", 2).label == "gemma.gguf k=2"
+
+
+def _run(config, tok_s, plain, category="c", cycles=()):
+    from edgespec.bench.run import Run
+
+    n = sum(a + 1 for _, a in cycles) or 10
+    return Run("t", category, config, 0.0, 0, tok_s, n, 1.0, [], [], 0.1, 0.8, 0.1, 100.0, list(cycles),
+               plain_tok_per_s=plain, matches_plain=True)
+
+
+def test_pairwise_ratios_and_ideal_against_hand_computation():
+    runs = [_run("plain", 100, None), _run("ng k=2", 150, 100, cycles=[(2, 2), (0, 0)]),
+            _run("plain", 80, None), _run("ng k=2", 60, 80, cycles=[(2, 1)]),
+            _run("plain", 90, None), _run("ng k=2", 99, 90, cycles=[(1, 0)])]
+    t = {1: 10.0, 2: 15.0, 3: 20.0}
+    row = next(r for r in summarize(runs, t) if r["category"] == "all")
+    assert (row["speedup_min"], row["speedup_median"], row["speedup_max"]) == pytest.approx((0.75, 1.1, 1.5))
+    assert row["tok_per_s"] == 99 and row["plain_tok_per_s"] == 90
+    # tokens: (3 + 1) + 2 + 1 = 7; cost: 20 + 10 + 20 + 15 = 65 (no draft cost given)
+    assert row["ideal_speedup"] == pytest.approx(7 * 10 / 65)
+    assert row["efficiency"] == pytest.approx(1.1 / (7 * 10 / 65))
+    assert row["tau"] == pytest.approx(7 / 4)
+    assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 2])

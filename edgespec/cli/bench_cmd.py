@@ -23,9 +23,9 @@ def bench(
     category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories.")] = None,
     per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category.")] = 3,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
-    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1)] = 1,
-    threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
-    ctx: Annotated[int, typer.Option("--ctx", min=64)] = 2048,
+    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Plain/spec pairs per task and config.")] = 1,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: up to 8).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", min=64, help="Context size in tokens.")] = 2048,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")] = Path("out/bench"),
     strict: Annotated[bool, typer.Option(
         "--strict/--no-strict", help="Exit 1 if a greedy speculative run differs from plain decoding.")] = True,
@@ -65,17 +65,25 @@ def bench(
         ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
                   f"config(s), each paired with a plain run: {total} generations "
                   f"({'chat template' if chat else 'plain prompts'})")
-        done, mismatches = [0], []
+        runs, mismatches = [], []
 
         def on_run(r) -> None:
-            done[0] += 1
-            advance(done[0])
+            runs.append(r)
+            advance(len(runs))
             if r.matches_plain is False:
                 mismatches.append(f"{r.task} {r.config}")
                 ui.print_error(f"greedy mismatch: {r.task} with {r.config} differs from plain decoding")
 
-        with ui.progress("bench", total) as advance:
-            runs = run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run)
+        interrupted = False
+        try:
+            with ui.progress("bench", total) as advance:
+                run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run)
+        except KeyboardInterrupt:  # keep what was measured: write the report of the runs so far
+            interrupted = True
+            runs = runs[: len(runs) - len(runs) % 2]  # whole plain/spec pairs only
+            ui.interrupted()
+            if not runs:
+                raise typer.Exit(130) from None
         sha = {engine.target.path: model_sha256(engine.target.path)}
         for d in drafters.values():
             if getattr(d, "model", None) is not None:
@@ -89,7 +97,8 @@ def bench(
         out.mkdir(parents=True, exist_ok=True)
         meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]), target=engine.target.path,
                     threads=threads, env=environment(), sha256=sha, configs=[c.label for c in configs],
-                    temperatures=temps, repeats=repeats, tasks=[t.id for t in selected])
+                    temperatures=temps, repeats=repeats, tasks=[t.id for t in selected],
+                    interrupted_after=len(runs) if interrupted else None)
         report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
         pngs = report.plots(out, summary)
         (out / "results.md").write_text(report.markdown(meta, summary, pngs))
@@ -103,6 +112,8 @@ def bench(
             ui.print_error(f"{len(mismatches)} greedy run(s) differ from plain decoding: {', '.join(mismatches[:5])}")
             if strict:
                 raise typer.Exit(1)
+        if interrupted:
+            raise typer.Exit(130)
     finally:
         for d in drafters.values():
             if d is not None:
