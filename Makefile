@@ -36,6 +36,7 @@ test-fast: install
 # --no-strict: greedy mismatches (expected for the F16 target, README known limits) are reported
 # loudly and counted in the tables instead of stopping the matrix.
 BENCH_ARGS ?= --per-category 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
+# Cost profiles first (cached): every target, and gemma3 as the drafter's per-token cost.
 BENCH_PAIRS := smollm2-ngram:smollm2:ngram gemma3-ngram:gemma3:ngram \
                gemma3-f16-draft:gemma3-f16:gemma3 gemma3-q8_0-draft:gemma3-q8_0:gemma3
 bench: models

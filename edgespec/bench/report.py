@@ -19,7 +19,8 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
              "", "Models: " + ", ".join(f"`{Path(p).name}` ({h[:12]}…)" for p, h in meta["sha256"].items()), "",
              "Speedup = spec tok/s ÷ the plain run just before it (alternating), min / **median** / max over "
              "tasks × repeats. τ = tokens per target pass. Acceptance: P(position i accepted | reached). "
-             "Efficiency = median speedup ÷ ideal speedup of the same cycles (from `edgespec profile`'s T(k)).", ""]
+             "Efficiency = median speedup ÷ ideal speedup of the same cycles: Σ tokens·T(1) / Σ (T_draft + T(d+1)), "
+             "with T(k) from `edgespec profile` and a draft model's T(1) per drafted token.", ""]
     for temp in sorted({r["temperature"] for r in summary}):
         lines += [f"## temperature {temp:g}", "",
                   "| category | config | plain tok/s | spec tok/s | speedup min / med / max | τ | efficiency | "

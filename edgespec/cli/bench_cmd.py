@@ -40,7 +40,7 @@ def bench(
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench import report
-    from edgespec.bench.profile import CostProfile, cache_path
+    from edgespec.bench.profile import cache_path, time_forward
     from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
     from edgespec.bench.tasks import load_tasks
     from edgespec.engine import Engine
@@ -85,15 +85,19 @@ def bench(
             if not runs:
                 raise typer.Exit(130) from None
         sha = {engine.target.path: model_sha256(engine.target.path)}
-        for d in drafters.values():
-            if getattr(d, "model", None) is not None:
-                sha[d.model.path] = model_sha256(d.model.path)
-        prof_path = cache_path(sha[engine.target.path], engine.target.name, threads, llama_cpp.__version__)
-        t_fwd = CostProfile.from_json(prof_path.read_text()).t_forward_ms if prof_path.is_file() else None
+        draft_ms = {}  # config label -> a draft model's ms per drafted token (its own T(1))
+        for name, d in drafters.items():
+            dm = getattr(d, "model", None)
+            if dm is not None:
+                sha[dm.path] = model_sha256(dm.path)
+                t1 = _cached_t1(cache_path(sha[dm.path], dm.name, threads, llama_cpp.__version__))
+                t1 = t1 if t1 is not None else time_forward(dm, [1], 5)[1]
+                draft_ms.update({c.label: t1 for c in configs if c.drafter == name})
+        t_fwd = _cached_profile(cache_path(sha[engine.target.path], engine.target.name, threads, llama_cpp.__version__))
         if t_fwd is None:
             ui.status(f"no cost profile for this target/threads: run `edgespec profile --model {target} "
                       f"--threads {threads}` to get efficiency figures")
-        summary = summarize(runs, t_fwd)
+        summary = summarize(runs, t_fwd, draft_ms)
         out.mkdir(parents=True, exist_ok=True)
         meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]), target=engine.target.path,
                     threads=threads, env=environment(), sha256=sha, configs=[c.label for c in configs],
@@ -120,3 +124,14 @@ def bench(
                 d.close()
         engine.drafter = None
         engine.close()
+
+
+def _cached_profile(path: Path) -> dict[int, float] | None:
+    from edgespec.bench.profile import CostProfile
+
+    return CostProfile.from_json(path.read_text()).t_forward_ms if path.is_file() else None
+
+
+def _cached_t1(path: Path) -> float | None:
+    t = _cached_profile(path)
+    return t[1] if t else None
