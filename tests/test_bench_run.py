@@ -93,3 +93,35 @@ def test_pairwise_ratios_and_ideal_against_hand_computation():
     assert row["efficiency"] == pytest.approx(1.1 / (7 * 10 / 65))
     assert row["tau"] == pytest.approx(7 / 4)
     assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 2])
+
+
+@pytest.mark.real
+def test_bench_cli_writes_partial_results_on_ctrl_c(monkeypatch, tmp_path, smollm2_path):
+    """Ctrl-C after two plain/spec pairs: the report of those pairs is still written (exit 130)."""
+    from typer.testing import CliRunner
+
+    import edgespec.bench.run as bench_run
+    from edgespec.cli.app import app
+
+    real = bench_run.run_matrix
+
+    def interrupted(engine, drafters, configs, tasks, temps, repeats, chat, on_run):
+        count = [0]
+
+        def counting(r):
+            on_run(r)
+            count[0] += 1
+            if count[0] == 4:
+                raise KeyboardInterrupt
+
+        return real(engine, drafters, configs, tasks, temps, repeats, chat, counting)
+
+    monkeypatch.setattr(bench_run, "run_matrix", interrupted)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))  # no cached profile: efficiency omitted
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", "--target", str(smollm2_path), "--max-tokens", "16",
+                                      "--per-category", "1", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["runs"]) == 4 and data["meta"]["interrupted_after"] == 4
+    assert (out / "results.md").read_text().count("ngram k=4") >= 2
