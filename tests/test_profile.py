@@ -48,14 +48,14 @@ def test_profile_command_on_smollm2(monkeypatch, tmp_path, smollm2_path):
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     args = ["profile", "--model", str(smollm2_path), "--max-k", "4", "--repeats", "1"]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "ideal speedup" in result.output
+    assert "ideal speedup" in result.output and "×" in result.output
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())
     assert sorted(int(k) for k in data["t_forward_ms"]) == [1, 2, 3, 4]
-    again = CliRunner().invoke(app, args)  # second run reads T(k) from the cache
+    again = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # second run reads T(k) from the cache
     assert again.exit_code == 0 and "from the cache" in again.output
 
 
