@@ -122,9 +122,14 @@ class ModelRow(NamedTuple):
     alias: str | None
 
 
+def edgespec_home() -> Path:
+    """``$EDGESPEC_HOME`` (default ~/.cache/edgespec): fetched models, cost profiles."""
+    return Path(os.environ.get("EDGESPEC_HOME", "~/.cache/edgespec")).expanduser()
+
+
 def model_home() -> Path:
     """The directory model files live in: ``$EDGESPEC_HOME/models`` (default ~/.cache/edgespec/models)."""
-    return Path(os.environ.get("EDGESPEC_HOME", "~/.cache/edgespec")).expanduser() / "models"
+    return edgespec_home() / "models"
 
 
 def lookup(name: str) -> ModelSpec:

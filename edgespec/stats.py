@@ -30,12 +30,7 @@ class Stats:
     n_prompt: int = 0  # prompt tokens
     n_prompt_evaluated: int = 0  # prompt tokens actually evaluated (the rest came from the KV cache)
     n_tokens: int = 0  # generated tokens
-    n_cycles: int = 0  # target forward passes after the prompt
-    n_drafted: int = 0  # draft tokens proposed (and verified)
-    n_accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # [i] = drafts accepted at position i+1
-    drafted_at: list[int] = field(default_factory=list)  # [i] = drafts proposed at position i+1
-    cycles: list[tuple[int, int]] = field(default_factory=list)  # per cycle: (drafted, accepted)
+    cycles: list[tuple[int, int]] = field(default_factory=list)  # per target pass: (drafted, accepted)
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_verify: float = 0.0  # target forward passes of the decode cycles
@@ -45,6 +40,29 @@ class Stats:
     @property
     def t_decode(self) -> float:
         return self.t_draft + self.t_verify + self.t_other
+
+    @property
+    def n_cycles(self) -> int:
+        """Target forward passes after the prompt."""
+        return len(self.cycles)
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(d for d, _ in self.cycles)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(n for _, n in self.cycles)
+
+    @property
+    def drafted_at(self) -> list[int]:
+        """[i] = cycles that drafted position i+1."""
+        return [sum(1 for d, _ in self.cycles if d > i) for i in range(max((d for d, _ in self.cycles), default=0))]
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """[i] = cycles that accepted position i+1 (and so every position before it)."""
+        return [sum(1 for _, n in self.cycles if n > i) for i in range(max((n for _, n in self.cycles), default=0))]
 
     @property
     def tau(self) -> float:
@@ -60,25 +78,12 @@ class Stats:
         return self.n_tokens / self.t_decode if self.t_decode > 0 else 0.0
 
     def record_cycle(self, n_draft: int, n_accepted: int) -> None:
-        self.n_cycles += 1
         self.cycles.append((n_draft, n_accepted))
-        self.n_drafted += n_draft
-        self.n_accepted += n_accepted
-        for arr, n in ((self.drafted_at, n_draft), (self.accepted_at, n_accepted)):
-            if len(arr) < n:
-                arr.extend([0] * (n - len(arr)))
-            for i in range(n):
-                arr[i] += 1
 
     def merge(self, other: Stats) -> Stats:
         out = Stats()
-        for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "n_cycles", "n_drafted", "n_accepted",
-                     "t_prefill", "t_draft", "t_verify", "t_other"):
+        for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        for name in ("accepted_at", "drafted_at"):
-            a, b = getattr(self, name), getattr(other, name)
-            n = max(len(a), len(b))
-            setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
         out.cycles = self.cycles + other.cycles
         out.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)
         return out

@@ -76,7 +76,7 @@ def _run(config, tok_s, plain, category="c", cycles=()):
     from edgespec.bench.run import Run
 
     n = sum(a + 1 for _, a in cycles) or 10
-    return Run("t", category, config, 0.0, 0, tok_s, n, 1.0, [], [], 0.1, 0.8, 0.1, 100.0, list(cycles),
+    return Run("t", category, config, 0.0, 0, tok_s, n, 1.0, 0.1, 0.8, 0.1, 100.0, list(cycles),
                plain_tok_per_s=plain, matches_plain=True)
 
 

@@ -65,8 +65,8 @@ def test_ideal_speedup_of_truncated_cycles():
     prof = CostProfile("m", "0" * 64, "b", "v", 1, {1: 10.0, 2: 15.0, 3: 20.0}, draft_per_token_ms=1.0)
     cycles = [(2, 2), (0, 0)]  # a full draft, then a plain step (n-gram found nothing)
     # γ=2: tokens 3 + 1; cost (2·1 + 20) + (0 + 10)
-    assert ideal_speedup_at(prof, cycles, 2) == pytest.approx(4 * 10 / 32)
+    assert ideal_speedup_at(prof.t_forward_ms, prof.t_draft, cycles, 2) == pytest.approx(4 * 10 / 32)
     # γ=1: tokens 2 + 1; cost (1 + 15) + 10
-    assert ideal_speedup_at(prof, cycles, 1) == pytest.approx(3 * 10 / 26)
+    assert ideal_speedup_at(prof.t_forward_ms, prof.t_draft, cycles, 1) == pytest.approx(3 * 10 / 26)
     # with full drafts it is the formula E[τ]·T(1)/(T_draft(γ)+T(γ+1))
-    assert ideal_speedup_at(prof, [(2, 2)], 2) == pytest.approx(prof.ideal_speedup(2, expected_tau=3.0))
+    assert ideal_speedup_at(prof.t_forward_ms, prof.t_draft, [(2, 2)], 2) == pytest.approx(prof.ideal_speedup(2, expected_tau=3.0))

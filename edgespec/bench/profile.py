@@ -11,7 +11,6 @@ model sha256, backend, threads and backend version.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +56,9 @@ class CostProfile:
 
 
 def profile_dir() -> Path:
-    return Path(os.environ.get("EDGESPEC_HOME", "~/.cache/edgespec")).expanduser() / "profiles"
+    from edgespec.models import edgespec_home
+
+    return edgespec_home() / "profiles"
 
 
 def cache_path(sha256: str, backend: str, threads: int, version: str) -> Path:
@@ -85,13 +86,19 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def ideal_speedup_at(prof: CostProfile, cycles: Sequence[tuple[int, int]], gamma: int) -> float:
-    """The ideal speedup at γ of cycles (drafted, accepted) recorded at a larger γ, each truncated to
-    γ: Σ tokens · T(1) / Σ (T_draft(d) + T(d+1)) with d = min(drafted, γ). A drafter that proposes
-    fewer tokens (n-gram without a match) pays only the shorter verification."""
-    tokens = sum(min(n, gamma, d) + 1 for d, n in cycles)
-    cost = sum(prof.t_draft(min(d, gamma)) + prof.t_forward_ms[min(d, gamma) + 1] for d, _ in cycles)
-    return tokens * prof.t_forward_ms[1] / cost if cost else 1.0
+def ideal_speedup_at(t_forward_ms: dict[int, float], t_draft: Callable[[int], float],
+                     cycles: Sequence[tuple[int, int]], gamma: int | None = None) -> float | None:
+    """The speedup of these very cycles (drafted, accepted) at zero runtime overhead:
+    Σ tokens · T(1) / Σ (T_draft(d) + T(d+1)). With `gamma`, each cycle recorded at a larger γ is
+    truncated to d = min(drafted, γ): a deterministic drafter's first γ tokens are the same at any
+    γ, and one that proposes fewer (n-gram without a match) pays only the shorter verification.
+    None when T(d+1) was not measured or there are no cycles."""
+    ds = [(d if gamma is None else min(d, gamma), n) for d, n in cycles]
+    if not ds or any(d + 1 not in t_forward_ms for d, _ in ds):
+        return None
+    tokens = sum(min(n, d) + 1 for d, n in ds)
+    cost = sum(t_draft(d) + t_forward_ms[d + 1] for d, _ in ds)
+    return tokens * t_forward_ms[1] / cost
 
 
 def expected_tau(accepted: Sequence[int], drafted: Sequence[int], gamma: int) -> float:

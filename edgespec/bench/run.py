@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from edgespec.bench.profile import ideal_speedup_at
 from edgespec.bench.tasks import Task
 from edgespec.engine import Engine
 from edgespec.stats import Stats
@@ -39,8 +40,6 @@ class Run:
     tok_per_s: float
     n_tokens: int
     tau: float
-    drafted_at: list[int]
-    accepted_at: list[int]
     t_draft: float
     t_verify: float
     t_other: float
@@ -83,8 +82,8 @@ def _one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool):
 
 
 def _record(task: Task, label: str, temp: float, rep: int, s: Stats) -> Run:
-    return Run(task.id, task.category, label, temp, rep, s.tok_per_s, s.n_tokens, s.tau, list(s.drafted_at),
-               list(s.accepted_at), s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles))
+    return Run(task.id, task.category, label, temp, rep, s.tok_per_s, s.n_tokens, s.tau,
+               s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles))
 
 
 def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
@@ -112,21 +111,11 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
                    mismatches=sum(1 for r in rs if r.matches_plain is False))
         if t_forward_ms:
             per_tok = (draft_per_token_ms or {}).get(config, 0.0)
-            row["ideal_speedup"] = _ideal(rs, t_forward_ms, per_tok)
+            row["ideal_speedup"] = ideal_speedup_at(t_forward_ms, lambda d, ms=per_tok: d * ms,
+                                                    [c for r in rs for c in r.cycles])
             row["efficiency"] = row["speedup_median"] / row["ideal_speedup"] if row["ideal_speedup"] else None
         rows.append(row)
     return rows
-
-
-def _ideal(rs: Sequence[Run], t: dict[int, float], draft_per_token_ms: float) -> float | None:
-    """Tokens × T(1) over Σ cycles (T_draft(d) + T(d+1)): the speedup of these very cycles at zero overhead."""
-    cost = 0.0
-    for r in rs:
-        for d, _ in r.cycles:
-            if d + 1 not in t:
-                return None
-            cost += d * draft_per_token_ms + t[d + 1]
-    return sum(r.n_tokens for r in rs) * t[1] / cost if cost else None
 
 
 def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float | None]:

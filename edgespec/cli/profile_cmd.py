@@ -70,14 +70,14 @@ def profile(
                     advance(i + 1)
             drafted, accepted = [d for d, _ in cycles], [a for _, a in cycles]
             rows_tau.update({g: expected_tau(accepted, drafted, g) for g in gammas if g > 0})
-            ideal.update({g: ideal_speedup_at(prof, cycles, g) for g in gammas if g > 0})
+            ideal.update({g: ideal_speedup_at(prof.t_forward_ms, prof.t_draft, cycles, g) for g in gammas if g > 0})
             mean_draft.update({g: sum(min(d, g) for d in drafted) / max(1, len(drafted)) for g in gammas})
         t1 = prof.t_forward_ms[1]
         ui.print_table(
             ["γ", "T(γ+1) ms", "T(γ+1)/T(1)", "T_draft(γ) ms", "mean drafted", "E[τ(γ)]", "ideal speedup"],
             [[g, f"{prof.t_forward_ms[g + 1]:.1f}", f"{prof.t_forward_ms[g + 1] / t1:.2f}", f"{prof.t_draft(g):.2f}",
               f"{mean_draft[g]:.2f}" if g in mean_draft else "–", f"{rows_tau[g]:.2f}" if g in rows_tau else "–",
-              f"{ideal[g]:.2f}×" if g in ideal else "–"] for g in gammas],
+              f"{ideal[g]:.2f}×" if ideal.get(g) else "–"] for g in gammas],
             title=f"{target.path} · {target.name} {version} · {threads} threads · drafter {prof.draft_kind or 'none'}")
         if plot:
             _plot(prof, plot)
