@@ -31,7 +31,7 @@ def load(
     n_ctx: int = 4096,
     threads: int | None = None,
     n_gpu_layers: int = 0,
-    num_draft: int = 4,
+    num_draft: int | str = "auto",
     verbose: bool = False,
 ) -> Engine:
     """Load a target model and a drafter.
@@ -43,7 +43,8 @@ def load(
         n_ctx: context size in tokens (target and draft model).
         threads: CPU threads (default: up to 8).
         n_gpu_layers: layers offloaded on CUDA/Metal builds of llama.cpp (-1 = all).
-        num_draft: γ, the default number of draft tokens per cycle.
+        num_draft: γ, draft tokens per cycle, or "auto" (default): the scheduler picks γ per cycle,
+            0 (a plain step) when speculation would lose.
         verbose: show the backend's own log.
 
     Returns:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +17,7 @@ from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.sampling import SamplingParams
+from edgespec.scheduler import K_MAX, CostModel, Scheduler
 from edgespec.stats import Stats, peak_rss_mb
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import verify
@@ -46,12 +47,15 @@ class Engine:
     Not safe for two generations at once; `cancel()` may be called from any thread.
     """
 
-    def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int = 4) -> None:
+    def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int | str = "auto") -> None:
         self.target = target
         self.drafter = drafter
-        self.num_draft = num_draft
+        self.num_draft = check_num_draft(num_draft)
         self.last_stats: Stats | None = None
         self._kv: list[int] = []
+        self._t_forward: dict[int, float] | None = None  # the target's T(k) prior for the scheduler
+        self._draft_ms: dict[object, float] = {}  # a draft model's ms per token, per drafter
+        self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
         self._busy = threading.Lock()
 
@@ -80,7 +84,7 @@ class Engine:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
-        num_draft: int | None = None,
+        num_draft: int | str | None = None,
         stop: Sequence[str] = (),
         speculative: bool = True,
         add_special: bool = True,
@@ -93,19 +97,19 @@ class Engine:
             max_tokens: most tokens to generate.
             temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy.
             seed: seeds the sampler (None: fresh entropy).
-            num_draft: γ, draft tokens per cycle (default: the engine's `num_draft`).
+            num_draft: γ, draft tokens per cycle, or "auto": the scheduler picks γ (0 = a plain
+                step) every cycle from measured costs and acceptance (default: the engine's).
             stop: strings that end the generation (not included in the text).
             speculative: False decodes plainly through the same backend (the baseline).
             add_special, parse_special: tokenizer flags for a text prompt.
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
-        gamma = self.num_draft if num_draft is None else int(num_draft)
-        if gamma < 0:
-            raise EdgespecError(f"num_draft must be >= 0 (got {gamma})")
+        gamma = check_num_draft(self.num_draft if num_draft is None else num_draft)
         if max_tokens < 1:
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
+        sched = self._scheduler(params) if gamma == "auto" else None
         ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                else [int(t) for t in prompt])
         if not ids:
@@ -118,7 +122,7 @@ class Engine:
             raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
         self._cancel.clear()
         try:
-            yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop)
+            yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
         finally:
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
@@ -150,6 +154,17 @@ class Engine:
         text = render_chat(t.metadata("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
         return text, not (bos and text.startswith(bos))
 
+    def calibrate(self, note: Callable[[str], None] | None = None) -> None:
+        """Load (or time in ≤ 2 s, and cache) the cost profiles that num_draft="auto" starts from.
+        Runs by itself at the first auto generation; call it to choose when. `note` hears of timing."""
+        from edgespec.bench.profile import calibrate
+
+        if self._t_forward is None:
+            self._t_forward = calibrate(self.target, note=note)
+        model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
+        if model is not None and self.drafter not in self._draft_ms:
+            self._draft_ms[self.drafter] = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
+
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""
         self._cancel.set()
@@ -170,11 +185,23 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _scheduler(self, params: SamplingParams) -> Scheduler:
+        """The scheduler for this drafter and sampling mode (acceptance differs with temperature);
+        it keeps what it learned across generations."""
+        key = (self.drafter, params.greedy)
+        if key not in self._schedulers:
+            self.calibrate()
+            assert self._t_forward is not None
+            self._schedulers[key] = Scheduler(CostModel(self._t_forward, self._draft_ms.get(self.drafter, 0.0)))
+        return self._schedulers[key]
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self, ids: list[int], max_tokens: int, params: SamplingParams, rng: np.random.Generator,
-             gamma: int, stop: Sequence[str]) -> Iterator[Chunk]:
+             gamma: int | str, stop: Sequence[str], sched: Scheduler | None) -> Iterator[Chunk]:
         stats = self.last_stats = Stats(n_prompt=len(ids))
+        if sched is not None:
+            sched.forget_shadow()
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)
         stats.t_prefill = time.perf_counter() - t0
@@ -186,8 +213,8 @@ class Engine:
                 stats.peak_rss_mb = peak_rss_mb()
                 yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled" if room >= 0 else "length")
                 return
-            g = max(0, min(gamma, max_tokens - generated - 1, room))
-            emitted, n_acc = self._cycle(pending, g, params, rng, stats)
+            g = max(0, min(K_MAX - 1 if sched else int(gamma), max_tokens - generated - 1, room))
+            emitted, n_acc = self._cycle(pending, g, params, rng, stats, sched)
             t_post = time.perf_counter()
             reason = None
             for i, tok in enumerate(emitted):  # cut at end-of-generation or the token limit
@@ -229,12 +256,14 @@ class Engine:
         return ids[-1]
 
     def _cycle(self, pending: int, gamma: int, params: SamplingParams, rng: np.random.Generator,
-               stats: Stats) -> tuple[list[int], int]:
-        """One speculative cycle (γ = 0: a plain step). Returns (emitted tokens, drafts accepted)."""
+               stats: Stats, sched: Scheduler | None) -> tuple[list[int], int]:
+        """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
+        Returns (emitted tokens, drafts accepted)."""
         t0 = time.perf_counter()
-        draft = Draft([])
-        if gamma > 0:
-            assert self.drafter is not None
+        draft, plan = Draft([]), None
+        if sched is not None and gamma > 0:
+            draft, plan = sched.draft(self.drafter, self._kv + [pending], gamma, params, rng)
+        elif gamma > 0:
             draft = self.drafter.draft(self._kv + [pending], gamma, params, rng)
         x = draft.tokens[:gamma]  # x̃₁..x̃γ
         q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
@@ -244,8 +273,25 @@ class Engine:
         n, token = verify(logits, x, q, params, rng)
         self._kv += [pending, *x[:n]]
         self.target.truncate(len(self._kv))  # roll back the rejected drafts
-        stats.record_cycle(len(x), n)
+        t3 = time.perf_counter()
+        if sched is not None:
+            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1, catch_up=draft.synced > 1)
+            sched.emitted([*x[:n], token])
+        stats.record_cycle(len(x), n, t3 - t0, plan)
         stats.t_draft += t1 - t0
         stats.t_verify += t2 - t1
         stats.t_other += time.perf_counter() - t2
         return [*x[:n], token], n
+
+
+def check_num_draft(value: int | str) -> int | str:
+    """γ ≥ 0, or "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise EdgespecError(f"num_draft must be an integer >= 0 or 'auto' (got {value!r})") from None
+    if gamma < 0:
+        raise EdgespecError(f"num_draft must be >= 0 or 'auto' (got {gamma})")
+    return gamma

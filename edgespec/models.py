@@ -245,6 +245,16 @@ def model_sha256(path: str | os.PathLike[str]) -> str:
     return _cached_hash(Path(path)) or sha256_file(path)
 
 
+def model_key(path: str | os.PathLike[str]) -> str:
+    """A cache key for a model file without reading it: its sidecar's sha256 when it has one,
+    else a hash of its resolved path, size and mtime."""
+    p = Path(path).resolve()
+    if (sha := _cached_hash(p)) is not None:
+        return sha
+    st = p.stat()
+    return hashlib.sha256(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
 def _cached_hash(path: Path) -> str | None:
     """The sidecar's hash if it still describes this file (same size and mtime)."""
     try:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgespec.scheduler import Decision
 
 
 def peak_rss_mb() -> float:
@@ -35,6 +40,12 @@ class Stats:
     t_draft: float = 0.0
     t_verify: float = 0.0  # target forward passes of the decode cycles
     t_other: float = 0.0  # sampling, verification, detokenization, bookkeeping
+    t_plain: float = 0.0  # time in cycles that verified no draft (plain steps)
+    t_schedule: float = 0.0  # the scheduler's own decisions (-k auto)
+    n_planned: int = 0  # cycles the scheduler planned
+    n_probes: int = 0  # of them, probes (a losing drafter tried again)
+    predicted_tokens: float = 0.0  # the scheduler's expected tokens, summed over planned cycles
+    predicted_s: float = 0.0  # and its expected time for them
     peak_rss_mb: float = 0.0
 
     @property
@@ -65,6 +76,16 @@ class Stats:
         return [sum(1 for _, n in self.cycles if n > i) for i in range(max((n for _, n in self.cycles), default=0))]
 
     @property
+    def gamma_histogram(self) -> dict[int, int]:
+        """Draft tokens verified per cycle (0 = a plain step) → number of cycles."""
+        return dict(sorted(Counter(d for d, _ in self.cycles).items()))
+
+    @property
+    def predicted_tok_per_s(self) -> float:
+        """The scheduler's cost model's speed for the cycles it planned (compare with tok_per_s)."""
+        return self.predicted_tokens / self.predicted_s if self.predicted_s > 0 else 0.0
+
+    @property
     def tau(self) -> float:
         return self.n_tokens / self.n_cycles if self.n_cycles else 0.0
 
@@ -77,12 +98,21 @@ class Stats:
         """Decode speed: generated tokens over decode time (prompt processing excluded)."""
         return self.n_tokens / self.t_decode if self.t_decode > 0 else 0.0
 
-    def record_cycle(self, n_draft: int, n_accepted: int) -> None:
+    def record_cycle(self, n_draft: int, n_accepted: int, seconds: float = 0.0, plan: Decision | None = None) -> None:
         self.cycles.append((n_draft, n_accepted))
+        if n_draft == 0:
+            self.t_plain += seconds
+        if plan is not None:
+            self.n_planned += 1
+            self.n_probes += plan.probe
+            self.t_schedule += plan.seconds
+            self.predicted_tokens += plan.tokens
+            self.predicted_s += plan.ms / 1000
 
     def merge(self, other: Stats) -> Stats:
         out = Stats()
-        for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other"):
+        for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other",
+                     "t_plain", "t_schedule", "n_planned", "n_probes", "predicted_tokens", "predicted_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.cycles = self.cycles + other.cycles
         out.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)

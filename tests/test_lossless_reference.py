@@ -23,13 +23,28 @@ PROMPTS = ["abcabcab", "aaaa", "fedcba", "abababab", "cafe", "bead", "deadbeef",
            "ecdcecdcec", "dabcabcabd"]
 
 
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """-k auto on the reference backend with known costs (T(k) = 1 + 0.1(k−1) ms, drafts 0.05 ms)
+    instead of the microsecond numpy timings, so that the scheduler does speculate."""
+    from edgespec.bench import profile
+    from edgespec.scheduler import CostModel
+
+    monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {
+        k: 0.05 if tuple(ks) == (1,) else 1 + 0.1 * (k - 1) for k in ks})
+    monkeypatch.setattr(CostModel, "observe_verify", lambda self, k, ms: None)
+    monkeypatch.setattr(CostModel, "observe_draft", lambda self, n, ms: None)
+
+
 def _drafters(target: ReferenceBackend):
     return {"ngram": NgramDrafter(), "draft-model": DraftModelDrafter(target.perturbed(0.8), target.n_vocab)}
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("gamma", [1, 3, 6, "auto"])
 @pytest.mark.parametrize("kind", ["ngram", "draft-model"])
-def test_greedy_spec_equals_plain_exactly(kind, gamma):
+def test_greedy_spec_equals_plain_exactly(kind, gamma, request):
+    if gamma == "auto":
+        request.getfixturevalue("fixed_costs")
     target = ReferenceBackend(6, seed=5)
     engine = Engine(target, _drafters(target)[kind], num_draft=gamma)
     n_accepted = 0
@@ -71,16 +86,18 @@ def _empirical(engine: Engine, prompt: list[int], params: SamplingParams, n: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["draft-model", "ngram"])
-def test_sampled_spec_matches_target_distribution(kind):
+@pytest.mark.parametrize("kind,gamma", [("draft-model", 3), ("ngram", 3), ("draft-model", "auto")])
+def test_sampled_spec_matches_target_distribution(kind, gamma, request):
     from scipy.stats import chisquare
 
+    if gamma == "auto":
+        request.getfixturevalue("fixed_costs")
     target = ReferenceBackend(6, seed=3)
     params = SamplingParams(temperature=0.8, top_p=0.95)
     prompt = target.tokenize("abcabcab")
     n_pos, draws = 4, 100_000
     exact, paths = _exact_marginals(target, prompt, params, n_pos)
-    engine = Engine(target, _drafters(target)[kind], num_draft=3)
+    engine = Engine(target, _drafters(target)[kind], num_draft=gamma)
     spec, spec_pairs = _empirical(engine, prompt, params, n_pos, draws)
     plain, _ = _empirical(engine, prompt, params, n_pos, draws, speculative=False)
     for pos in range(n_pos):

@@ -65,21 +65,70 @@ def cache_path(sha256: str, backend: str, threads: int, version: str) -> Path:
     return profile_dir() / f"{sha256[:16]}-{backend}-t{threads}-v{version}.json"
 
 
+def backend_version(backend: Backend) -> str:
+    """The installed version of the runtime behind a backend ("" for in-process ones)."""
+    from importlib import metadata
+
+    dist = {"llama.cpp": "llama_cpp_python", "mlx": "mlx"}.get(backend.name)
+    try:
+        return metadata.version(dist) if dist else ""
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def profile_path(backend: Backend) -> Path | None:
+    """Where this backend's cost profile is cached (None for a model that is not a file)."""
+    from edgespec.models import model_key
+
+    if not Path(backend.path).is_file():
+        return None
+    return cache_path(model_key(backend.path), backend.name, getattr(backend, "threads", 0), backend_version(backend))
+
+
+CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16)
+
+
+def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: float = 2.0,
+              note: Callable[[str], None] | None = None) -> dict[int, float]:
+    """T(k) in ms for `ks`: from the cached profile when it has them, else timed in about
+    `budget_s` (`note` is told first) and cached. The scheduler's prior; `edgespec profile`
+    measures more carefully and replaces it."""
+    path = profile_path(backend)
+    prof = CostProfile.from_json(path.read_text()) if path is not None and path.is_file() else None
+    if prof is not None and all(k in prof.t_forward_ms for k in ks):
+        return prof.t_forward_ms
+    if note:
+        note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
+    once = time_forward(backend, [ks[0], ks[-1]], repeats=1)
+    per_repeat = len(ks) * (once[ks[0]] + once[ks[-1]]) / 2 / 1000  # T(k) is about linear in k
+    t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / max(per_repeat, 1e-6)))))
+    if path is not None:
+        from edgespec.models import model_key
+
+        t = {**(prof.t_forward_ms if prof else {}), **t}
+        fresh = CostProfile(backend.path, model_key(backend.path), backend.name, backend_version(backend),
+                            getattr(backend, "threads", 0), t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fresh.to_json())
+    return t
+
+
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
                  progress: Callable[[int, int], None] | None = None) -> dict[int, float]:
     """Median ms of a k-token forward (all k logit rows) after CONTEXT_TOKENS cached tokens."""
-    base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(CONTEXT_TOKENS + max(ks))]
+    n0 = max(1, min(CONTEXT_TOKENS, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
+    base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + max(ks))]
     backend.truncate(0)
-    backend.eval(base[:CONTEXT_TOKENS], rows="none")
-    backend.eval(base[CONTEXT_TOKENS:CONTEXT_TOKENS + 1], rows="all")  # warm-up
-    backend.truncate(CONTEXT_TOKENS)
+    backend.eval(base[:n0], rows="none")
+    backend.eval(base[n0:n0 + 1], rows="all")  # warm-up
+    backend.truncate(n0)
     times: dict[int, list[float]] = {k: [] for k in ks}
     for r in range(repeats):
         for k in (ks if r % 2 == 0 else list(reversed(ks))):
             t0 = time.perf_counter()
-            backend.eval(base[CONTEXT_TOKENS:CONTEXT_TOKENS + k], rows="all")
+            backend.eval(base[n0:n0 + k], rows="all")
             times[k].append((time.perf_counter() - t0) * 1000)
-            backend.truncate(CONTEXT_TOKENS)
+            backend.truncate(n0)
         if progress:
             progress(r + 1, repeats)
     backend.truncate(0)

@@ -22,7 +22,7 @@ from edgespec.stats import Stats
 @dataclass(frozen=True)
 class Config:
     drafter: str  # "ngram", a GGUF path or model name
-    k: int
+    k: int | str  # γ, or "auto" (the scheduler)
 
     @property
     def label(self) -> str:

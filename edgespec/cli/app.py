@@ -156,7 +156,7 @@ def generate(
         if reason == "cancelled":
             ui.interrupted()
         if engine.last_stats is not None:
-            ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts))
+            ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts), verbose=opts.verbose)
     if reason == "cancelled":
         raise typer.Exit(130)
 
@@ -200,7 +200,7 @@ def chat(
                 ui.status("conversation cleared")
                 continue
             if cmd == "/stats":
-                ui.print_stats(totals, speculative=_speculative(engine, opts),
+                ui.print_stats(totals, speculative=_speculative(engine, opts), verbose=True,
                                prefix=f"session ({len(history) - len(start)} messages)")
                 continue
             if cmd in ("/help", "/?"):
@@ -224,7 +224,7 @@ def chat(
                 ui.interrupted()
             if engine.last_stats is not None:
                 totals = totals.merge(engine.last_stats)
-                ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts))
+                ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts), verbose=opts.verbose)
 
 
 # A prompt the n-gram drafter can copy from: the reply repeats the page with one edit. Greedy SmolLM2-135M
@@ -299,6 +299,8 @@ def demo(
         plain_stats = sorted(plains, key=lambda s: s.tok_per_s)[mid]
         ratios = [s.tok_per_s / p.tok_per_s for s, p in zip(specs, plains) if p.tok_per_s > 0]
         ui.print_comparison(spec, plain_stats, identical=identical if opts.temp == 0 else None, ratios=ratios)
+        if opts.verbose:
+            ui.status(ui.format_schedule(spec))
 
 
 def _speculative(engine: Any, opts: RunOptions) -> bool:

@@ -16,7 +16,9 @@ def bench(
     target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name.")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
         "--drafter", help="Drafter config (repeatable): 'ngram' or a same-vocabulary GGUF path/name.")] = None,
-    k: Annotated[list[int] | None, typer.Option("-k", "--num-draft", min=1, help="γ values (repeatable).")] = None,
+    k: Annotated[list[str] | None, typer.Option(
+        "-k", "--num-draft", help="γ values (repeatable): integers >= 1, or 'auto' for the scheduler "
+                                  "(default: 4 and auto).")] = None,
     temp: Annotated[list[float] | None, typer.Option(
         "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="A .jsonl file or folder (default: bench/tasks).")] = None,
@@ -35,15 +37,14 @@ def bench(
     time split, peak RSS, greedy mismatches, and efficiency vs the ideal speedup from `edgespec profile`."""
     import dataclasses
 
-    import llama_cpp
-
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench import report
-    from edgespec.bench.profile import cache_path, time_forward
+    from edgespec.bench.profile import profile_path, time_forward
     from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
     from edgespec.bench.tasks import load_tasks
-    from edgespec.engine import Engine
+    from edgespec.engine import Engine, check_num_draft
+    from edgespec.errors import EdgespecError
     from edgespec.models import model_sha256
 
     threads = threads or default_threads()
@@ -53,13 +54,18 @@ def bench(
         if len(by_cat.setdefault(t.category, [])) < per_category:
             by_cat[t.category].append(dataclasses.replace(t, max_tokens=min(t.max_tokens, max_tokens or t.max_tokens)))
     selected = [t for ts in by_cat.values() for t in ts]
-    configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in (k or [4])]
+    gammas = [check_num_draft(g) for g in (k or ["4", "auto"])]
+    if 0 in gammas:
+        raise EdgespecError("-k 0 is plain decoding, which bench always runs: use -k >= 1 or auto")
+    configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
     engine = Engine(open_backend(target, threads=threads, n_ctx=ctx))
     drafters = {}
     try:
         for d in {c.drafter for c in configs}:
-            drafters[d] = make_drafter(d, engine.target, threads=threads, n_ctx=ctx)
+            drafters[d] = engine.drafter = make_drafter(d, engine.target, threads=threads, n_ctx=ctx)
+            if "auto" in gammas:
+                engine.calibrate(note=ui.status)  # the scheduler's cost prior (cached profiles)
         chat = engine.target.metadata("tokenizer.chat_template") is not None
         total = len(selected) * len(temps) * repeats * len(configs) * 2
         ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
@@ -90,10 +96,10 @@ def bench(
             dm = getattr(d, "model", None)
             if dm is not None:
                 sha[dm.path] = model_sha256(dm.path)
-                t1 = _cached_t1(cache_path(sha[dm.path], dm.name, threads, llama_cpp.__version__))
+                t1 = _cached_t1(profile_path(dm))
                 t1 = t1 if t1 is not None else time_forward(dm, [1], 5)[1]
                 draft_ms.update({c.label: t1 for c in configs if c.drafter == name})
-        t_fwd = _cached_profile(cache_path(sha[engine.target.path], engine.target.name, threads, llama_cpp.__version__))
+        t_fwd = _cached_profile(profile_path(engine.target))
         if t_fwd is None:
             ui.status(f"no cost profile for this target/threads: run `edgespec profile --model {target} "
                       f"--threads {threads}` to get efficiency figures")
@@ -126,12 +132,12 @@ def bench(
         engine.close()
 
 
-def _cached_profile(path: Path) -> dict[int, float] | None:
+def _cached_profile(path: Path | None) -> dict[int, float] | None:
     from edgespec.bench.profile import CostProfile
 
-    return CostProfile.from_json(path.read_text()).t_forward_ms if path.is_file() else None
+    return CostProfile.from_json(path.read_text()).t_forward_ms if path and path.is_file() else None
 
 
-def _cached_t1(path: Path) -> float | None:
+def _cached_t1(path: Path | None) -> float | None:
     t = _cached_profile(path)
     return t[1] if t else None

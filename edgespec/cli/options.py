@@ -26,7 +26,7 @@ class RunOptions:
 
     target: str | None = None
     drafter: str = "ngram"
-    num_draft: int = 4
+    num_draft: str = "auto"
     temp: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -41,10 +41,15 @@ class RunOptions:
 
     def check(self) -> None:
         """Reject bad values before any model is loaded."""
+        from edgespec.engine import check_num_draft
         from edgespec.sampling import SamplingParams
 
         SamplingParams(self.temp, self.top_k, self.top_p, self.min_p)
-        for flag, value, low in (("--num-draft", self.num_draft, 0), ("--max-tokens", self.max_tokens, 1),
+        try:
+            check_num_draft(self.num_draft)
+        except EdgespecError:
+            raise EdgespecError(f"--num-draft must be 'auto' or an integer >= 0 (got {self.num_draft!r})") from None
+        for flag, value, low in (("--max-tokens", self.max_tokens, 1),
                                  ("--ctx", self.ctx, 16), ("--threads", self.threads, 1)):
             if value is not None and value < low:
                 raise EdgespecError(f"{flag} must be >= {low} (got {value})")
@@ -55,13 +60,25 @@ class RunOptions:
 
         self.check()
         drafter = None if self.no_spec or self.drafter.lower() == "none" else self.drafter
-        return edgespec.load(self.target, drafter, n_ctx=self.ctx, threads=self.threads,
-                             n_gpu_layers=self.gpu_layers, num_draft=self.num_draft, verbose=self.verbose)
+        engine = edgespec.load(self.target, drafter, n_ctx=self.ctx, threads=self.threads,
+                               n_gpu_layers=self.gpu_layers, num_draft=self.gamma, verbose=self.verbose)
+        if engine.num_draft == "auto" and engine.drafter is not None:
+            from edgespec.cli import ui
+
+            engine.calibrate(note=ui.status)  # cached after the first time
+        return engine
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Engine.stream / stream_chat."""
         return dict(max_tokens=self.max_tokens, temperature=self.temp, top_k=self.top_k, top_p=self.top_p,
-                    min_p=self.min_p, seed=self.seed, num_draft=self.num_draft, speculative=not self.no_spec)
+                    min_p=self.min_p, seed=self.seed, num_draft=self.gamma, speculative=not self.no_spec)
+
+    @property
+    def gamma(self) -> int | str:
+        """--num-draft as the engine takes it: an int, or "auto"."""
+        from edgespec.engine import check_num_draft
+
+        return check_num_draft(self.num_draft)
 
 
 _PANEL = "Model and sampling"
@@ -69,7 +86,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`)."),
     "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
                                 "or 'none'."),
-    "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle."),
+    "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
+                                         "costs and acceptance (0 = plain steps when speculation would lose)."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),
     "top_k": (("--top-k",), "Keep the k most likely tokens (0 = off)."),
     "top_p": (("--top-p",), "Nucleus sampling mass in (0, 1] (1 = off)."),
@@ -80,7 +98,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "ctx": (("--ctx",), "Context size in tokens."),
     "gpu_layers": (("--gpu-layers",), "Layers to offload on GPU builds of llama.cpp (-1 = all)."),
     "no_spec": (("--no-spec",), "Decode plainly (no drafter): the baseline."),
-    "verbose": (("--verbose",), "Show llama.cpp's own log."),
+    "verbose": (("--verbose",), "Show the scheduler's stats (γ histogram, plain-step time, predicted vs "
+                                "measured tok/s) and llama.cpp's own log."),
 }
 
 

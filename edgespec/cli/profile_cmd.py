@@ -28,17 +28,18 @@ def profile(
 
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
-    from edgespec.bench.profile import CostProfile, cache_path, expected_tau, ideal_speedup_at, time_forward
+    from edgespec.bench.profile import CostProfile, expected_tau, ideal_speedup_at, profile_path, time_forward
     from edgespec.bench.tasks import load_tasks
     from edgespec.engine import Engine
-    from edgespec.models import model_sha256
+    from edgespec.models import model_key
 
     threads = threads or default_threads()
     target = open_backend(model, threads=threads, n_ctx=2048)
-    sha, version = model_sha256(target.path), llama_cpp.__version__
-    cached = cache_path(sha, target.name, threads, version)
-    if cached.is_file() and not refresh:
-        prof = CostProfile.from_json(cached.read_text())
+    sha, version = model_key(target.path), llama_cpp.__version__
+    cached = profile_path(target)
+    assert cached is not None
+    prof = CostProfile.from_json(cached.read_text()) if cached.is_file() and not refresh else None
+    if prof is not None and all(k in prof.t_forward_ms for k in range(1, max_k + 1)):
         ui.status(f"T(k) from the cache {cached} (--refresh to re-measure)")
     else:
         ks = list(range(1, max_k + 1))

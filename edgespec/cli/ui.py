@@ -60,10 +60,27 @@ def format_stats(stats: Stats, *, speculative: bool | None = None) -> str:
     return _SEP.join(parts)
 
 
-def print_stats(stats: Stats, *, speculative: bool | None = None, prefix: str = "") -> None:
-    """The stats line on stderr, e.g. `120 tokens · 210.4 tok/s · τ 2.31 · acceptance 52%`."""
+def format_schedule(stats: Stats) -> str:
+    """The scheduler's line: γ histogram, share of time in plain steps, predicted vs measured
+    speed, and what its decisions cost."""
+    hist = " ".join(f"{g}:{n}" for g, n in stats.gamma_histogram.items())
+    parts = [f"γ histogram {hist or '–'}",
+             f"plain steps {stats.t_plain / stats.t_decode:.0%} of decode time" if stats.t_decode else "no decode"]
+    if stats.n_planned:
+        parts += [f"predicted {stats.predicted_tok_per_s:.1f} tok/s vs measured {stats.tok_per_s:.1f}",
+                  f"decision {stats.t_schedule / stats.n_planned * 1e6:.0f} µs/cycle"]
+        if stats.n_probes:
+            parts.append(f"{stats.n_probes} probe(s)")
+    return _SEP.join(parts)
+
+
+def print_stats(stats: Stats, *, speculative: bool | None = None, prefix: str = "", verbose: bool = False) -> None:
+    """The stats line on stderr, e.g. `120 tokens · 210.4 tok/s · τ 2.31 · acceptance 52%`; with
+    `verbose`, the scheduler's line under it."""
     line = (f"{prefix}: " if prefix else "") + format_stats(stats, speculative=speculative)
     _stderr().print(f"[cyan]{escape(line)}[/cyan]")
+    if verbose and (speculative or stats.n_planned):
+        _stderr().print(f"[dim cyan]{escape(format_schedule(stats))}[/dim cyan]")
 
 
 def format_comparison(spec: Stats, plain: Stats, *, identical: bool | None = None,

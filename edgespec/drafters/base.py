@@ -8,7 +8,7 @@ lower acceptance; verification keeps the output exact.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,14 +22,21 @@ from edgespec.sampling import SamplingParams
 class Draft:
     tokens: list[int]  # x̃₁..x̃γ (may be empty: then the cycle is a plain step)
     q: npt.NDArray[np.float64] | None = None  # (γ, V) processed draft probabilities; None = one-hot
+    # per token, the drafter's belief that it will be accepted, computed BEFORE the token is drawn
+    # (e.g. max q). A rule that verifies x̃ᵢ or not depending on x̃ᵢ itself, such as q(x̃ᵢ), would
+    # bias sampled output; one that depends only on what came before is lossless.
+    confidence: list[float] | None = None
+    synced: int = 0  # context tokens the drafter evaluated to catch up before drafting
 
 
 class Drafter(Protocol):
     name: str
 
-    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams,
-              rng: np.random.Generator) -> Draft:
-        """Propose at most `gamma` tokens to follow `context`."""
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        """Propose at most `gamma` tokens to follow `context`. A drafter with confidences calls
+        `stop(confidences)` once it knows the next position's confidence and before drawing its
+        token, and drafts no more when it returns True (the scheduler's marginal gain vs cost rule)."""
         ...
 
     def close(self) -> None: ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -57,8 +57,8 @@ class DraftModelDrafter:
         self.n_vocab = n_vocab_target
         self._kv: list[int] = []  # tokens in the draft model's KV cache
 
-    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams,
-              rng: np.random.Generator) -> Draft:
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         n_keep = 0
         for a, b in zip(self._kv, context[:-1]):  # keep ≥ 1 token to evaluate for fresh logits
             if a != b:
@@ -66,20 +66,28 @@ class DraftModelDrafter:
             n_keep += 1
         self.model.truncate(n_keep)
         self._kv = list(context[:n_keep])
-        tokens, rows = [], []
+        tokens, rows, conf = [], [], []
         feed = list(context[n_keep:])
+        synced = len(feed) - 1
         try:
             while len(tokens) < gamma:
                 logits = self.model.eval(feed, rows="last")[0]
                 self._kv.extend(feed)
                 q = _fit(process(logits, params), self.n_vocab)  # (V_target,)
+                # confidence in this position, known before its token is drawn: the top probability
+                # (greedy: of the raw softmax). Never q(x̃) itself: see Draft.confidence.
+                conf.append(float(q.max()) if not params.greedy
+                            else float(1.0 / np.exp(logits - logits.max()).sum()))
+                if stop is not None and stop(conf):
+                    conf.pop()
+                    break
                 x = sample(q, rng) if not params.greedy else int(np.argmax(q))
                 tokens.append(x)
                 rows.append(q)
                 feed = [x]
         except ContextOverflowError:
             pass  # draft what fits; the target checks the context limit itself
-        return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None)
+        return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None, conf, synced)
 
     def close(self) -> None:
         self.model.close()

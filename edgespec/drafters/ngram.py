@@ -3,7 +3,7 @@ suffix n-gram (llama.cpp's ngram-simple, HF's prompt lookup). Deterministic, so 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,8 +22,8 @@ class NgramDrafter:
             raise ValueError(f"n-gram sizes need 1 <= n_min <= n_max (got n_min={n_min}, n_max={n_max})")
         self.n_max, self.n_min = n_max, n_min
 
-    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams,
-              rng: np.random.Generator) -> Draft:
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         return Draft(self.lookup(np.asarray(context, dtype=np.int64), gamma))
 
     def lookup(self, ctx: np.ndarray, gamma: int) -> list[int]:

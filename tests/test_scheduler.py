@@ -1,0 +1,144 @@
+"""The scheduler's decision rule on synthetic cost and acceptance curves with hand-derived optima,
+its learning (acceptance, costs, confidence), and its off-switch for a drafter that is always wrong."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.drafters.base import Draft
+from edgespec.sampling import SamplingParams
+from edgespec.scheduler import K_MAX, Acceptance, CostModel, RobustTime, Scheduler, best_gamma
+
+GREEDY = SamplingParams()
+
+
+def _linear(c0: float, c1: float) -> list[float]:
+    """T(k) = c0 + c1·(k − 1) for k = 1..K_MAX (index 0 unused)."""
+    return [0.0] + [c0 + c1 * (k - 1) for k in range(1, K_MAX + 1)]
+
+
+def _const(alpha: float, n: int) -> list[float]:
+    return np.cumprod([alpha] * n).tolist()
+
+
+def test_linear_cost_constant_acceptance_optimum():
+    # T(k) = 1 + 0.5(k−1), α = 0.9: E[tokens|γ] = (1 − 0.9^{γ+1}) / 0.1, rate = E / (1 + 0.5γ):
+    # γ=0: 1.000, γ=1: 1.900/1.5 = 1.267, γ=2: 2.710/2 = 1.355, γ=3: 3.439/2.5 = 1.376, γ=4: 4.095/3 = 1.365
+    g, rate = best_gamma(_const(0.9, 10), [0.0] * K_MAX, _linear(1.0, 0.5))
+    assert g == 3 and rate == pytest.approx(3.439 / 2.5, rel=1e-6)
+
+
+def test_draft_cost_moves_the_optimum():
+    # T(k) = 1 + 0.2(k−1), 0.3 per draft token, α = 0.8: cost(γ) = 1 + 0.5γ,
+    # E = 1, 1.8, 2.44, 2.952, 3.362 → rates 1, 1.2, 1.22, 1.181, 1.120: γ* = 2
+    g, _ = best_gamma(_const(0.8, 10), [0.3 * i for i in range(K_MAX)], _linear(1.0, 0.2))
+    assert g == 2
+
+
+def test_no_batching_gain_means_plain_steps():
+    # T(k) = k: verifying k tokens costs k plain steps, so any α < 1 loses: γ* = 0
+    assert best_gamma(_const(0.95, 10), [0.0] * K_MAX, _linear(1.0, 1.0))[0] == 0
+
+
+def test_certain_acceptance_and_cheap_verification_drafts_to_the_limit():
+    assert best_gamma(_const(1.0, 7), [0.0] * K_MAX, _linear(1.0, 0.1))[0] == 7
+
+
+def test_acceptance_learns_per_position_and_unseen_positions_borrow():
+    acc = Acceptance(prior=0.5, strength=1.0, decay=0.9)
+    for _ in range(60):  # position 1 always accepted, position 2 never
+        acc.observe(drafted=3, accepted=1)
+    a, n = acc.rates, sum(0.9**i for i in range(60))  # n: the decayed count of tries
+    assert a[0] == pytest.approx((n + 0.5) / (n + 1))  # (hits + strength·prior) / (tries + strength)
+    assert a[1] == pytest.approx(a[0] / (n + 1))  # its prior is position 1's estimate
+    assert a[2] == pytest.approx(a[1], abs=1e-9)  # never reached: borrows position 2's estimate
+
+
+def test_robust_time_ignores_one_outlier_and_follows_a_shift():
+    t = RobustTime()
+    for x in [10, 10, 10, 500, 10]:
+        t.add(x)
+    assert t.value == pytest.approx(10)
+    for _ in range(15):
+        t.add(20)
+    assert t.value == pytest.approx(20, rel=0.05)
+
+
+def test_cost_model_scales_unmeasured_k_with_the_machine():
+    cost = CostModel({1: 10.0, 2: 20.0, 4: 30.0})
+    assert cost.t_verify()[3] == pytest.approx(25.0)  # interpolated prior
+    for _ in range(10):  # the machine got 2× slower at k = 1
+        cost.observe_verify(1, 20.0)
+    assert cost.t_verify()[1] == pytest.approx(20.0)
+    assert cost.t_verify()[4] == pytest.approx(60.0, rel=0.05)
+
+
+class _ScriptedDrafter:
+    """Drafts `n` fixed tokens with the given confidences, honouring the stop rule."""
+
+    name = "scripted"
+
+    def __init__(self, token: int, confidence: list[float] | None = None, n: int = K_MAX) -> None:
+        self.token, self.confidence, self.n, self.calls = token, confidence, n, 0
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        self.calls += 1
+        tokens, conf = [], []
+        while len(tokens) < min(gamma, self.n):
+            conf.append(self.confidence[len(tokens)] if self.confidence else 1.0)  # before drawing
+            if stop is not None and stop(conf):
+                conf.pop()
+                break
+            tokens.append(self.token)
+        return Draft(tokens, None, conf if self.confidence else None)
+
+    def close(self) -> None:
+        pass
+
+
+def _simulate(sched: Scheduler, drafter, t_verify: list[float], draft_ms: float, cycles: int,
+              target_token: int = 0) -> list[int]:
+    """Run cycles against a target that always emits `target_token`; returns γ verified per cycle."""
+    rng, gammas = np.random.default_rng(0), []
+    for _ in range(cycles):
+        d, _ = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, rng)
+        n = 0
+        while n < len(d.tokens) and d.tokens[n] == target_token:
+            n += 1
+        sched.observe(d, n, draft_ms * len(d.tokens) / 1000, t_verify[len(d.tokens) + 1] / 1000, catch_up=False)
+        sched.emitted([*d.tokens[:n], target_token])
+        gammas.append(len(d.tokens))
+    return gammas
+
+
+@pytest.mark.parametrize("draft_ms", [0.0, 6.0])  # free (n-gram-like: shadow) and costly (probes)
+def test_an_always_wrong_drafter_converges_to_plain_steps(draft_ms):
+    t = _linear(10.0, 2.0)  # verification is cheap: speculation would pay if drafts were any good
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))
+    sched.acceptance = Acceptance(prior=0.9)  # start optimistic, so it does speculate at first
+    gammas = _simulate(sched, _ScriptedDrafter(token=7), t, draft_ms, cycles=300)
+    first_plain = next(i for i, g in enumerate(gammas) if g == 0)
+    assert first_plain <= 10
+    later = [g for g in gammas[first_plain:] if g > 0]
+    # free drafter: scored in shadow, never verified again; costly: a few probes on a 2% budget
+    assert len(later) <= (0 if draft_ms == 0 else 5)
+
+
+def test_a_good_free_drafter_is_found_from_shadow_drafts():
+    t = _linear(10.0, 2.0)
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
+    sched.acceptance = Acceptance(prior=0.05)  # start pessimistic: plain steps, drafting in shadow
+    gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 0.0, cycles=40)
+    assert gammas[0] == 0 and gammas[-1] >= 8
+
+
+def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
+    t = _linear(10.0, 2.0)
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.0))
+    sched.acceptance = Acceptance(prior=0.9)
+    drafter = _ScriptedDrafter(token=0, confidence=[0.95, 0.95, 0.05, 0.95, 0.95, 0.95])
+    d, plan = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, np.random.default_rng(0))
+    assert d.tokens == [0, 0]  # saw position 3's confidence of 0.05 and drew no more
+    assert plan.gamma == 2 and plan.tokens == pytest.approx(1 + 0.95 + 0.95**2)
+    assert 0 < plan.seconds < 0.05  # the decision is timed (microseconds; measured, not asserted tight)
