@@ -31,21 +31,24 @@ test: models
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real and not slow"
 
-# The default benchmark matrix (~10 min here): per pair, 2 tasks per category, greedy and T=0.7,
-# each speculative run alternating with a plain run. Writes bench/results/<pair>/ and bench/RESULTS.md.
+# The default benchmark matrix (~25 min here): per pair, 2 tasks per category, greedy and T=0.7,
+# each speculative run alternating with a plain run; -k auto (the scheduler) beside a sweep of
+# fixed γ. Writes bench/results/<pair>/ and bench/RESULTS.md.
 # --no-strict: greedy mismatches (expected for the F16 target, README known limits) are reported
 # loudly and counted in the tables instead of stopping the matrix.
 BENCH_ARGS ?= --per-category 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
-# Cost profiles first (cached): every target, and gemma3 as the drafter's per-token cost.
-BENCH_PAIRS := smollm2-ngram:smollm2:ngram gemma3-ngram:gemma3:ngram \
-               gemma3-f16-draft:gemma3-f16:gemma3 gemma3-q8_0-draft:gemma3-q8_0:gemma3
+# name:target:drafter:γ values. Cost profiles first (cached): every target, and gemma3 as the
+# drafter's per-token cost.
+BENCH_PAIRS := smollm2-ngram:smollm2:ngram:auto,4,8,12 gemma3-ngram:gemma3:ngram:auto,4,8,12 \
+               gemma3-f16-draft:gemma3-f16:gemma3:auto,2,4 gemma3-q8_0-draft:gemma3-q8_0:gemma3:auto,2,4
 bench: models
 	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
 	@set -e; printf '# edgespec benchmark results\n\nMade by `make bench` (%s). Each section is one `edgespec bench` run;\nits command is in the section.\n\n' "$$(date -u +%F)" > bench/RESULTS.md; \
 	for spec in $(BENCH_PAIRS); do \
-	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; drafter=$${rest#*:}; \
+	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; rest=$${rest#*:}; drafter=$${rest%%:*}; \
+	  ks=$$(echo $${rest#*:} | sed 's/,/ -k /g'); \
 	  $(BIN)/edgespec profile --model $$target --drafter none --repeats 3 > /dev/null; \
-	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k 4 $(BENCH_ARGS) --out bench/results/$$name; \
+	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $(BENCH_ARGS) --out bench/results/$$name; \
 	  sed -e 's|^# |## |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
 	    bench/results/$$name/results.md >> bench/RESULTS.md; \
 	done

@@ -29,6 +29,9 @@ K_MAX = 16  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
 FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
+MAX_SHADOWS = 16  # shadow drafts being scored at once
+SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
+RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
 
 
 def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
@@ -79,40 +82,67 @@ class CostModel:
     def observe_verify(self, k: int, ms: float) -> None:
         self.verify[k].add(ms)
         self.scale.add(ms / self.prior[k])
+        self._verify = None
 
     def observe_draft(self, n_tokens: int, ms: float) -> None:
         self.draft.add(ms / n_tokens)
+        self._draft = None
+
+    _verify: list[float] | None = None
+    _draft: list[float] | None = None
 
     def t_verify(self) -> list[float]:
-        scale = self.scale.value if self.scale.n else 1.0
-        return [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
+        """[k] = expected ms of a k-token verification (index 0 unused)."""
+        if self._verify is None:
+            scale = self.scale.value if self.scale.n else 1.0
+            self._verify = [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
+        return self._verify
 
     def t_draft(self) -> list[float]:
-        per_token = self.draft.value if self.draft.n else self.draft_prior
-        return [g * per_token for g in range(K_MAX)]
+        """[γ] = expected ms to draft γ tokens."""
+        if self._draft is None:
+            per_token = self.draft.value if self.draft.n else self.draft_prior
+            self._draft = [g * per_token for g in range(K_MAX)]
+        return self._draft
 
 
 class Acceptance:
     """a_i = P(draft i accepted | drafts before it were), from exponentially decayed counts with a
     prior; a position not yet seen borrows its predecessor's estimate as its prior."""
 
-    def __init__(self, prior: float = 0.5, strength: float = 1.0, decay: float = 0.9) -> None:
-        self.hits, self.tries = np.zeros(K_MAX), np.zeros(K_MAX)
+    def __init__(self, prior: float = 0.5, strength: float = 1.0, decay: float = 0.8) -> None:
+        self.hits, self.tries = [0.0] * K_MAX, [0.0] * K_MAX
         self.prior, self.strength, self.decay = prior, strength, decay
-        self.rates = self._rates()
+        self._rates: list[float] | None = None
+        self._survival: list[float] | None = None
 
     def observe(self, drafted: int, accepted: int) -> None:
-        reached = min(accepted + 1, drafted)  # positions 1..accepted+1 were judged
-        self.hits[:reached] = self.decay * self.hits[:reached] + (np.arange(reached) < accepted)
-        self.tries[:reached] = self.decay * self.tries[:reached] + 1
-        self.rates = self._rates()
+        """A verified draft: positions 1..accepted passed, accepted+1 (if drafted) failed."""
+        for i in range(min(accepted + 1, drafted)):
+            self.observe_position(i, i < accepted)
 
-    def _rates(self) -> list[float]:
-        out, prev = [], self.prior
-        for h, n in zip(self.hits, self.tries):
-            prev = (h + self.strength * prev) / (n + self.strength)
-            out.append(prev)
-        return out
+    def observe_position(self, i: int, ok: bool) -> None:
+        """Position i+1 was judged (its predecessors having passed)."""
+        self.hits[i] = self.decay * self.hits[i] + ok
+        self.tries[i] = self.decay * self.tries[i] + 1
+        self._rates = self._survival = None
+
+    @property
+    def rates(self) -> list[float]:
+        if self._rates is None:
+            out, prev = [], self.prior
+            for h, n in zip(self.hits, self.tries):
+                prev = (h + self.strength * prev) / (n + self.strength)
+                out.append(prev)
+            self._rates = out
+        return self._rates
+
+    @property
+    def survival(self) -> list[float]:
+        """[i] = P(drafts 1..i+1 all accepted)."""
+        if self._survival is None:
+            self._survival = np.cumprod(self.rates).tolist()
+        return self._survival
 
 
 class Calibration:
@@ -150,16 +180,27 @@ class Scheduler:
     `observe()` learns from the verified cycle; `emitted()` scores a shadow draft."""
 
     cost: CostModel
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    # acceptance by the current run of drafted tokens that were right (0, 1, 2-3, 4-7, 8-15, 16+):
+    # drafts come in runs (a quote being copied, then new text), and the run so far is the best
+    # single predictor of the next token; each run bucket learns its own per-position rates
+    by_run: list[Acceptance] = field(default_factory=lambda: [Acceptance(p) for p in RUN_PRIORS])
+    run: int = 0
     calibration: Calibration = field(default_factory=Calibration)
-    _shadow: list[int] = field(default_factory=list)  # unverified draft being scored
-    _shadow_seen: int = 0  # how many of its tokens matched so far
+    _support: int = K_MAX  # the latest draft's support (n-gram match length)
+    _shadows: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (draft, [n matched])
     _plain_ms: float = 0.0  # plain-step time since the last probe
     _backoff: float = 1.0  # each failed probe doubles the wait for the next
     _probing: bool = False
 
     @property
+    def acceptance(self) -> Acceptance:
+        """The acceptance model for the current run of right drafts (an n-gram drafter's run
+        counts no longer than the match it copies from)."""
+        return self.by_run[min(min(self.run, self._support).bit_length(), len(self.by_run) - 1)]
+
+    @property
     def free(self) -> bool:
+        """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
         return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
 
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
@@ -168,14 +209,16 @@ class Scheduler:
         t0 = time.perf_counter()
         limit = min(limit, K_MAX - 1)
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify()
-        a = self.acceptance.rates
-        gamma, _ = best_gamma(np.cumprod(a[:limit]).tolist(), t_draft, t_verify)
+        # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
+        gamma, _ = best_gamma(self.acceptance.survival[:min(limit, max(SLOW_START, 2 * self.run))],
+                              t_draft, t_verify)
+        free = self.free
         probe = False
-        if gamma == 0 and limit > 0 and not self.free:
+        if gamma == 0 and limit > 0 and not free:
             gamma = self._probe_gamma(limit, t_draft, t_verify)
             probe = gamma > 0
         self._probing = probe
-        shadow = gamma == 0 and limit > 0 and self.free and not self._shadow
+        shadow = gamma == 0 and limit > 0 and free
         seconds = time.perf_counter() - t0
         if gamma == 0 and not shadow:
             return Draft([]), Decision(ms=t_verify[1], seconds=seconds)
@@ -183,10 +226,13 @@ class Scheduler:
         def stop(conf: Sequence[float]) -> bool:  # conf[-1]: the next position, not drawn yet
             return self._cut(conf, len(conf), gamma, t_draft, t_verify)[0] < len(conf)
 
-        d = drafter.draft(context, gamma or limit, params, rng, stop=stop if gamma and not probe else None)
+        # a free drafter drafts to the limit: what is not verified is scored in shadow
+        d = drafter.draft(context, limit if free else gamma, params, rng, stop=stop if gamma and not probe else None)
         t1 = time.perf_counter()
+        if free and d.tokens:  # every draft is scored against what the target emits, verified or not
+            self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
+            self._support = d.support if d.support is not None else K_MAX
         if shadow:
-            self._shadow, self._shadow_seen = d.tokens[:limit], 0
             d = Draft([])
         if d.tokens and not probe and (params.greedy or d.q is None):
             # a deterministic draft may be cut after the fact; a sampled one may not (its tokens
@@ -204,11 +250,14 @@ class Scheduler:
         """Learn from a verified cycle (times in seconds); `catch_up`: the draft time included
         re-syncing the drafter after plain steps, so it says nothing about per-token cost."""
         g = len(draft.tokens)
+        free = self.free
         self.cost.observe_verify(g + 1, t_verify * 1000)
         if g:
             if not catch_up:
                 self.cost.observe_draft(g, t_draft * 1000)
-            self.acceptance.observe(g, accepted)
+            if not free:  # a free drafter's drafts are all scored in shadow, verified part included
+                self.acceptance.observe(g, accepted)
+                self.run = self.run + g if accepted == g else 0
             if draft.confidence is not None:
                 self.calibration.observe(draft.confidence, accepted)
             if self._probing:
@@ -218,27 +267,27 @@ class Scheduler:
             self._plain_ms += t_verify * 1000
 
     def emitted(self, tokens: Sequence[int]) -> None:
-        """Score a pending shadow draft against tokens the target emitted (greedy: exactly what
-        verification would have accepted; sampled: accepted with the same probability, p(x̃))."""
+        """Score the pending shadow drafts against tokens the target emitted (greedy: exactly what
+        verification would have accepted; sampled: accepted with the same probability, p(x̃)).
+        One is drafted at every plain step, so the estimates follow the text as fast as it changes."""
         for tok in tokens:
-            if not self._shadow:
-                return
-            if tok != self._shadow[self._shadow_seen]:
-                self._resolve(self._shadow_seen + 1, self._shadow_seen)
-                return
-            self._shadow_seen += 1
-            if self._shadow_seen == len(self._shadow):
-                self._resolve(self._shadow_seen, self._shadow_seen)
-                return
+            live, model, hit = [], self.acceptance, None
+            for draft, seen in self._shadows:  # oldest first: the newest draft sets the run
+                i = seen[0]
+                hit = tok == draft[i]
+                model.observe_position(i, hit)
+                if hit and i + 1 < len(draft):
+                    seen[0] += 1
+                    live.append((draft, seen))
+            self._shadows = live
+            if hit is not None:
+                self.run = self.run + 1 if hit else 0
 
     def forget_shadow(self) -> None:
-        self._shadow, self._shadow_seen = [], 0
+        """A new generation: drop pending shadow drafts and start from the cautious state."""
+        self._shadows, self.run = [], 0
 
     # -- internals --------------------------------------------------------------------------------
-
-    def _resolve(self, drafted: int, accepted: int) -> None:
-        self.acceptance.observe(drafted, accepted)
-        self.forget_shadow()
 
     def _survival(self, confidence: Sequence[float] | None, n: int) -> list[float]:
         """Conditional acceptance for positions 1..K: calibrated confidence for the first n drafted
@@ -262,7 +311,7 @@ class Scheduler:
         opt = np.cumprod([PROBE_ACCEPTANCE] * limit).tolist()
         g, _ = best_gamma(opt, t_draft, t_verify)
         g = max(g, 1)
-        s = np.cumprod(self.acceptance.rates[:g]).sum()
+        s = sum(self.acceptance.survival[:g])
         loss = t_draft[g] + t_verify[g + 1] - (1.0 + s) * t_verify[1]
         budget = PROBE_BUDGET if best_gamma(opt, t_draft, t_verify)[0] > 0 else PROBE_BUDGET / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0

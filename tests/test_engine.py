@@ -163,3 +163,21 @@ def test_ngram_lookup():
     assert d.lookup(ctx, 3) == [5, 7, 2]  # latest match of [2, 3] is followed by 5 7 2
     assert d.lookup(np.array([1, 2, 3]), 3) == []
     assert d.draft([5, 6, 5, 6], 10, SamplingParams(), np.random.default_rng()).tokens == [5, 6]
+
+
+def test_ngram_index_agrees_with_a_full_scan():
+    """The incremental index gives the scan's answer as the context grows, is rolled back, or
+    is replaced by another one."""
+    rng, d, ref = np.random.default_rng(3), NgramDrafter(), NgramDrafter()
+    ctx = list(rng.integers(0, 4, 5))
+    for step in range(600):
+        r = rng.random()
+        if r < 0.7:
+            ctx += list(rng.integers(0, 4, int(rng.integers(1, 4))))
+        elif r < 0.9:
+            ctx = ctx[: max(2, len(ctx) - int(rng.integers(1, 6)))]  # rejected drafts roll back
+        else:
+            ctx = list(rng.integers(0, 4, int(rng.integers(2, 30))))  # a new prompt
+        gamma = int(rng.integers(1, 12))
+        got = d.draft(ctx, gamma, SamplingParams(), rng).tokens
+        assert got == ref.lookup(np.array(ctx), gamma), (step, ctx)

@@ -116,7 +116,7 @@ def _simulate(sched: Scheduler, drafter, t_verify: list[float], draft_ms: float,
 def test_an_always_wrong_drafter_converges_to_plain_steps(draft_ms):
     t = _linear(10.0, 2.0)  # verification is cheap: speculation would pay if drafts were any good
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))
-    sched.acceptance = Acceptance(prior=0.9)  # start optimistic, so it does speculate at first
+    sched.by_run = [Acceptance(prior=0.9) for _ in range(6)]  # optimistic: it speculates at first
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, draft_ms, cycles=300)
     first_plain = next(i for i, g in enumerate(gammas) if g == 0)
     assert first_plain <= 10
@@ -128,7 +128,7 @@ def test_an_always_wrong_drafter_converges_to_plain_steps(draft_ms):
 def test_a_good_free_drafter_is_found_from_shadow_drafts():
     t = _linear(10.0, 2.0)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
-    sched.acceptance = Acceptance(prior=0.05)  # start pessimistic: plain steps, drafting in shadow
+    sched.by_run = [Acceptance(prior=0.05) for _ in range(6)]  # pessimistic: plain steps, shadow drafts
     gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 0.0, cycles=40)
     assert gammas[0] == 0 and gammas[-1] >= 8
 
@@ -136,7 +136,7 @@ def test_a_good_free_drafter_is_found_from_shadow_drafts():
 def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
     t = _linear(10.0, 2.0)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.0))
-    sched.acceptance = Acceptance(prior=0.9)
+    sched.by_run = [Acceptance(prior=0.9) for _ in range(6)]
     drafter = _ScriptedDrafter(token=0, confidence=[0.95, 0.95, 0.05, 0.95, 0.95, 0.95])
     d, plan = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, np.random.default_rng(0))
     assert d.tokens == [0, 0]  # saw position 3's confidence of 0.05 and drew no more

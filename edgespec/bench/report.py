@@ -36,8 +36,24 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
                          f"{r['speedup_min']:.2f} / **{r['speedup_median']:.2f}** / {r['speedup_max']:.2f} | "
                          f"{r['tau']:.2f} | {eff} | {acc} | {split} | {r['peak_rss_mb']:.0f} | {mism} |")
         lines.append("")
+        lines += _auto_vs_fixed([r for r in summary if r["temperature"] == temp])
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _auto_vs_fixed(rows: Sequence[dict]) -> list[str]:
+    """Per category: the scheduler (k=auto) against the best fixed γ of the sweep."""
+    auto = {r["category"]: r for r in rows if r["config"].endswith("k=auto")}
+    fixed = [r for r in rows if not r["config"].endswith("k=auto")]
+    if not auto or not fixed:
+        return []
+    out = ["| category | auto speedup | best fixed γ | its speedup | auto ÷ best fixed |", "|---|---|---|---|---|"]
+    for cat, a in auto.items():
+        best = max((r for r in fixed if r["category"] == cat), key=lambda r: r["speedup_median"], default=None)
+        if best is not None:
+            out.append(f"| {cat} | {a['speedup_median']:.2f} | {best['config']} | {best['speedup_median']:.2f} | "
+                       f"**{a['speedup_median'] / best['speedup_median']:.2f}** |")
+    return [*out, ""]
 
 
 def plots(out: Path, summary: Sequence[dict]) -> list[str]:

@@ -27,6 +27,7 @@ class Draft:
     # bias sampled output; one that depends only on what came before is lossless.
     confidence: list[float] | None = None
     synced: int = 0  # context tokens the drafter evaluated to catch up before drafting
+    support: int | None = None  # n-gram drafters: how many context tokens the match they copy spans
 
 
 class Drafter(Protocol):

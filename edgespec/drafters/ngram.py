@@ -10,24 +10,55 @@ import numpy as np
 from edgespec.drafters.base import Draft
 from edgespec.sampling import SamplingParams
 
+MAX_SUPPORT = 16
+
 
 class NgramDrafter:
     """Tries suffix n-grams from `n_max` down to `n_min` tokens; the most recent match wins.
-    No match drafts nothing, and the engine takes a plain step."""
+    No match drafts nothing, and the engine takes a plain step.
+
+    An index (n-gram → where it last ended) grows with the context, so a call costs a few
+    microseconds however long the context; a context that is not an extension of the last one
+    rebuilds it."""
 
     name = "ngram"
+    model = None  # no model: drafting costs next to nothing
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"n-gram sizes need 1 <= n_min <= n_max (got n_min={n_min}, n_max={n_max})")
         self.n_max, self.n_min = n_max, n_min
+        self._ctx: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram → latest end (exclusive) indexed
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
-        return Draft(self.lookup(np.asarray(context, dtype=np.int64), gamma))
+        ctx = self._sync(context)
+        L = len(ctx)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            e = self._last_end.get(tuple(ctx[L - n:]))
+            if e is not None:
+                m = n  # the match's full length (up to MAX_SUPPORT): longer ones copy more reliably
+                while m < MAX_SUPPORT and e - m - 1 >= 0 and ctx[e - m - 1] == ctx[L - m - 1]:
+                    m += 1
+                return Draft(ctx[e: min(e + gamma, L)], support=m)
+        return Draft([])
+
+    def _sync(self, context: Sequence[int]) -> list[int]:
+        """Extend the index to every n-gram that ends before the context's last position (the
+        suffix itself is what gets looked up, so it must not find itself)."""
+        n_old = len(self._ctx)
+        if len(context) < n_old or list(context[:n_old]) != self._ctx:
+            self._ctx, self._last_end, n_old = [], {}, 0
+        ctx = self._ctx
+        ctx.extend(int(t) for t in context[n_old:])
+        for e in range(max(n_old - 1, 0), len(ctx) - 1):  # ends n_old-1 .. L-2 are new (end L-1 was the suffix)
+            for n in range(self.n_min, min(self.n_max, e + 1) + 1):
+                self._last_end[tuple(ctx[e + 1 - n: e + 1])] = e + 1
+        return ctx
 
     def lookup(self, ctx: np.ndarray, gamma: int) -> list[int]:
-        """The ≤ gamma tokens that followed the latest earlier match of ctx's suffix n-gram."""
+        """The same answer by a scan of the whole context (the reference the index is tested on)."""
         L = ctx.shape[0]
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             suffix = ctx[L - n:]
