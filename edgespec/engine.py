@@ -201,7 +201,7 @@ class Engine:
              gamma: int | str, stop: Sequence[str], sched: Scheduler | None) -> Iterator[Chunk]:
         stats = self.last_stats = Stats(n_prompt=len(ids))
         if sched is not None:
-            sched.forget_shadow()
+            sched.new_generation(len(ids))
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)
         stats.t_prefill = time.perf_counter() - t0
@@ -275,7 +275,7 @@ class Engine:
         self.target.truncate(len(self._kv))  # roll back the rejected drafts
         t3 = time.perf_counter()
         if sched is not None:
-            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1, catch_up=draft.synced > 1)
+            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1)
             sched.emitted([*x[:n], token])
         stats.record_cycle(len(x), n, t3 - t0, plan)
         stats.t_draft += t1 - t0

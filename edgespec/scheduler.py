@@ -78,15 +78,25 @@ class CostModel:
         self.scale = RobustTime(window=9, beta=0.2)
         self.draft_prior = draft_per_token_ms
         self.draft = RobustTime()
+        self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
 
     def observe_verify(self, k: int, ms: float) -> None:
         self.verify[k].add(ms)
         self.scale.add(ms / self.prior[k])
         self._verify = None
 
-    def observe_draft(self, n_tokens: int, ms: float) -> None:
-        self.draft.add(ms / n_tokens)
-        self._draft = None
+    def observe_draft(self, n_tokens: int, ms: float, synced: int = 0) -> None:
+        """A draft of n_tokens took ms, of which catching up on `synced` context tokens."""
+        per_token = self.t_draft()[1]
+        if synced > 1:
+            self.catch_up.add(max(0.0, ms - n_tokens * per_token) / synced)
+        else:
+            self.draft.add(ms / n_tokens)
+            self._draft = None
+
+    def t_catch_up(self, n: int) -> float:
+        """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token)."""
+        return n * (self.catch_up.value if self.catch_up.n else self.t_draft()[1] / 4)
 
     _verify: list[float] | None = None
     _draft: list[float] | None = None
@@ -187,6 +197,7 @@ class Scheduler:
     run: int = 0
     calibration: Calibration = field(default_factory=Calibration)
     _support: int = K_MAX  # the latest draft's support (n-gram match length)
+    _lag: int = 0  # context tokens a costly drafter has not seen yet
     _shadows: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (draft, [n matched])
     _plain_ms: float = 0.0  # plain-step time since the last probe
     _backoff: float = 1.0  # each failed probe doubles the wait for the next
@@ -229,6 +240,7 @@ class Scheduler:
         # a free drafter drafts to the limit: what is not verified is scored in shadow
         d = drafter.draft(context, limit if free else gamma, params, rng, stop=stop if gamma and not probe else None)
         t1 = time.perf_counter()
+        self._lag = 0
         if free and d.tokens:  # every draft is scored against what the target emits, verified or not
             self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
             self._support = d.support if d.support is not None else K_MAX
@@ -246,15 +258,13 @@ class Scheduler:
         seconds += time.perf_counter() - t1
         return d, Decision(g, tokens, t_draft[g] + t_verify[g + 1], probe, seconds)
 
-    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float, catch_up: bool) -> None:
-        """Learn from a verified cycle (times in seconds); `catch_up`: the draft time included
-        re-syncing the drafter after plain steps, so it says nothing about per-token cost."""
+    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float) -> None:
+        """Learn from a verified cycle (times in seconds)."""
         g = len(draft.tokens)
         free = self.free
         self.cost.observe_verify(g + 1, t_verify * 1000)
         if g:
-            if not catch_up:
-                self.cost.observe_draft(g, t_draft * 1000)
+            self.cost.observe_draft(g, t_draft * 1000, draft.synced)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
                 self.acceptance.observe(g, accepted)
                 self.run = self.run + g if accepted == g else 0
@@ -270,6 +280,7 @@ class Scheduler:
         """Score the pending shadow drafts against tokens the target emitted (greedy: exactly what
         verification would have accepted; sampled: accepted with the same probability, p(x̃)).
         One is drafted at every plain step, so the estimates follow the text as fast as it changes."""
+        self._lag += len(tokens)
         for tok in tokens:
             live, model, hit = [], self.acceptance, None
             for draft, seen in self._shadows:  # oldest first: the newest draft sets the run
@@ -286,6 +297,11 @@ class Scheduler:
     def forget_shadow(self) -> None:
         """A new generation: drop pending shadow drafts and start from the cautious state."""
         self._shadows, self.run = [], 0
+
+    def new_generation(self, n_prompt: int) -> None:
+        """A new prompt: forget shadows; a costly drafter has yet to read it (a probe would pay that)."""
+        self.forget_shadow()
+        self._lag = n_prompt
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -312,6 +328,6 @@ class Scheduler:
         g, _ = best_gamma(opt, t_draft, t_verify)
         g = max(g, 1)
         s = sum(self.acceptance.survival[:g])
-        loss = t_draft[g] + t_verify[g + 1] - (1.0 + s) * t_verify[1]
+        loss = t_draft[g] + t_verify[g + 1] - (1.0 + s) * t_verify[1] + self.cost.t_catch_up(self._lag)
         budget = PROBE_BUDGET if best_gamma(opt, t_draft, t_verify)[0] > 0 else PROBE_BUDGET / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0

@@ -30,7 +30,7 @@ def _check_equal(engine, prompts, gammas=(1, 3, 6)):
 
 def test_smollm2_ngram_greedy_equals_plain(smollm2_path):
     with edgespec.load(smollm2_path, drafter="ngram", n_ctx=1024) as engine:
-        _check_equal(engine, PROMPTS[:10])
+        _check_equal(engine, PROMPTS[:10], gammas=(1, 3, 6, "auto"))
 
 
 def test_gemma_q8_target_q4_drafter_greedy_equals_plain(gemma_q8_path, gemma_q4_path):

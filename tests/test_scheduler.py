@@ -106,7 +106,7 @@ def _simulate(sched: Scheduler, drafter, t_verify: list[float], draft_ms: float,
         n = 0
         while n < len(d.tokens) and d.tokens[n] == target_token:
             n += 1
-        sched.observe(d, n, draft_ms * len(d.tokens) / 1000, t_verify[len(d.tokens) + 1] / 1000, catch_up=False)
+        sched.observe(d, n, draft_ms * len(d.tokens) / 1000, t_verify[len(d.tokens) + 1] / 1000)
         sched.emitted([*d.tokens[:n], target_token])
         gammas.append(len(d.tokens))
     return gammas
