@@ -22,6 +22,8 @@ from edgespec.stats import Stats, peak_rss_mb
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import verify
 
+MIN_CHUNK = 4  # the smallest verification split worth making (see Engine._verify_pass)
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -54,6 +56,7 @@ class Engine:
         self.last_stats: Stats | None = None
         self._kv: list[int] = []
         self._t_forward: dict[int, float] | None = None  # the target's T(k) prior for the scheduler
+        self._exact: int | None = None  # most tokens one verification forward may take (see exact_batch)
         self._draft_ms: dict[object, float] = {}  # a draft model's ms per token, per drafter
         self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
@@ -109,6 +112,11 @@ class Engine:
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
+        if gamma != 0 and self._exact is None:
+            from edgespec.bench.profile import exact_batch
+
+            self._exact = exact_batch(self.target)  # cached per model after the first time
+            self.reset()  # measuring used the target's KV cache
         sched = self._scheduler(params) if gamma == "auto" else None
         ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                else [int(t) for t in prompt])
@@ -157,10 +165,14 @@ class Engine:
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
         """Load (or time in ≤ 2 s, and cache) the cost profiles that num_draft="auto" starts from.
         Runs by itself at the first auto generation; call it to choose when. `note` hears of timing."""
-        from edgespec.bench.profile import calibrate
+        from edgespec.bench.profile import calibrate, exact_batch
 
+        if self._exact is None:
+            self._exact = exact_batch(self.target)
+            self.reset()  # measuring used the target's KV cache
         if self._t_forward is None:
-            self._t_forward = calibrate(self.target, note=note)
+            self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
+            self.reset()
         model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
         if model is not None and self.drafter not in self._draft_ms:
             self._draft_ms[self.drafter] = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
@@ -268,7 +280,7 @@ class Engine:
         x = draft.tokens[:gamma]  # x̃₁..x̃γ
         q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
         t1 = time.perf_counter()
-        logits = self.target.eval([pending, *x], rows="all")  # (γ+1, V): p₁..p_{γ+1}
+        logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
         t2 = time.perf_counter()
         n, token = verify(logits, x, q, params, rng)
         self._kv += [pending, *x[:n]]
@@ -282,6 +294,17 @@ class Engine:
         stats.t_verify += t2 - t1
         stats.t_other += time.perf_counter() - t2
         return [*x[:n], token], n
+
+
+    def _verify_pass(self, tokens: list[int]) -> np.ndarray:
+        """All logit rows for `tokens`, in forwards no longer than the target evaluates exactly as
+        single steps (plain decoding's view); usually one forward. A target exact only below
+        MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule speculation out, and
+        its deviations are near-ties (README: known limits)."""
+        n = self._exact if self._exact and self._exact >= MIN_CHUNK else len(tokens)
+        if len(tokens) <= n:
+            return self.target.eval(tokens, rows="all")
+        return np.concatenate([self.target.eval(tokens[i:i + n], rows="all") for i in range(0, len(tokens), n)])
 
 
 def check_num_draft(value: int | str) -> int | str:

@@ -30,6 +30,7 @@ FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token dra
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
 MAX_SHADOWS = 16  # shadow drafts being scored at once
+RECENT = 0.3  # weight of the newest first-token outcome in the recent hit rate
 SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
 RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
 
@@ -198,6 +199,7 @@ class Scheduler:
     calibration: Calibration = field(default_factory=Calibration)
     _support: int = K_MAX  # the latest draft's support (n-gram match length)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
+    _recent: float = 0.5  # this generation's recent first-token hit rate (fast EMA)
     _shadows: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (draft, [n matched])
     _plain_ms: float = 0.0  # plain-step time since the last probe
     _backoff: float = 1.0  # each failed probe doubles the wait for the next
@@ -221,7 +223,7 @@ class Scheduler:
         limit = min(limit, K_MAX - 1)
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify()
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
-        gamma, _ = best_gamma(self.acceptance.survival[:min(limit, max(SLOW_START, 2 * self.run))],
+        gamma, _ = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
                               t_draft, t_verify)
         free = self.free
         probe = False
@@ -252,7 +254,7 @@ class Scheduler:
             g, tokens = self._cut(d.confidence, len(d.tokens), min(gamma, len(d.tokens)), t_draft, t_verify)
         else:
             g = len(d.tokens)
-            tokens = 1.0 + float(np.cumprod(self._survival(d.confidence, g)[:g]).sum())
+            tokens = 1.0 + sum(self._survival(d.confidence, g)[:g])
         d = replace(d, tokens=d.tokens[:g], q=None if d.q is None else d.q[:g],
                     confidence=None if d.confidence is None else d.confidence[:g])
         seconds += time.perf_counter() - t1
@@ -268,6 +270,7 @@ class Scheduler:
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
                 self.acceptance.observe(g, accepted)
                 self.run = self.run + g if accepted == g else 0
+                self._recent += RECENT * ((accepted > 0) - self._recent)
             if draft.confidence is not None:
                 self.calibration.observe(draft.confidence, accepted)
             if self._probing:
@@ -287,6 +290,8 @@ class Scheduler:
                 i = seen[0]
                 hit = tok == draft[i]
                 model.observe_position(i, hit)
+                if i == 0:
+                    self._recent += RECENT * (hit - self._recent)
                 if hit and i + 1 < len(draft):
                     seen[0] += 1
                     live.append((draft, seen))
@@ -301,23 +306,25 @@ class Scheduler:
     def new_generation(self, n_prompt: int) -> None:
         """A new prompt: forget shadows; a costly drafter has yet to read it (a probe would pay that)."""
         self.forget_shadow()
-        self._lag = n_prompt
+        self._lag, self._recent = n_prompt, 0.5
 
     # -- internals --------------------------------------------------------------------------------
 
     def _survival(self, confidence: Sequence[float] | None, n: int) -> list[float]:
-        """Conditional acceptance for positions 1..K: calibrated confidence for the first n drafted
-        tokens when the drafter gives it, the learned per-position rates after."""
+        """S_i for i = 1..K from conditional acceptance: calibrated confidence for the first n
+        drafted tokens when the drafter gives it, the learned per-position rates after (the first
+        capped by the recent first-token hit rate)."""
         a = list(self.acceptance.rates)
+        a[0] = min(a[0], self._recent)  # the run's model must agree with how this text is going
         if confidence is not None:
             a[:n] = [self.calibration(c) for c in confidence[:n]]
-        return a
+        return np.cumprod(a).tolist()
 
     def _cut(self, confidence: Sequence[float] | None, n: int, most: int, t_draft: Sequence[float],
              t_verify: Sequence[float]) -> tuple[int, float]:
         """Best γ ≤ `most` once n tokens are drafted (their cost is spent whatever γ verifies):
         returns (γ, expected tokens)."""
-        s = np.cumprod(self._survival(confidence, n)[:most]).tolist()
+        s = self._survival(confidence, n)[:most]
         g, _ = best_gamma(s, [t_draft[max(g, n)] for g in range(most + 1)], t_verify)
         return g, 1.0 + sum(s[:g])
 

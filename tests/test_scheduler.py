@@ -142,3 +142,25 @@ def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
     assert d.tokens == [0, 0]  # saw position 3's confidence of 0.05 and drew no more
     assert plan.gamma == 2 and plan.tokens == pytest.approx(1 + 0.95 + 0.95**2)
     assert 0 < plan.seconds < 0.05  # the decision is timed (microseconds; measured, not asserted tight)
+
+
+def test_a_probe_pays_for_the_context_the_drafter_missed():
+    t = _linear(10.0, 2.0)
+
+    def probes(catch_up_ms_per_token: float) -> int:
+        sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=6.0))
+        sched.by_run = [Acceptance(prior=0.05) for _ in range(6)]  # speculation loses: plain steps
+        sched.cost.catch_up.add(catch_up_ms_per_token)
+        sched.new_generation(n_prompt=500)  # a prompt the draft model has not read
+        return sum(g > 0 for g in _simulate(sched, _ScriptedDrafter(token=7), t, 6.0, cycles=300))
+
+    # 300 plain steps = 3 s, so 1% = 30 ms of probing: a probe's own loss is ~8 ms, plus the catch-up
+    assert probes(0.01) >= 1  # re-reading ~500-800 tokens costs 5-8 ms: it probes
+    assert probes(1.0) == 0  # 500+ ms: it does not
+
+
+def test_ngram_support_is_the_match_length():
+    from edgespec.drafters.ngram import NgramDrafter
+
+    d = NgramDrafter().draft([9, 1, 2, 3, 4, 5, 6, 8, 0, 1, 2, 3, 4, 5, 6], 3, GREEDY, np.random.default_rng(0))
+    assert d.tokens == [8, 0, 1] and d.support == 6  # "1 2 3 4 5 6" matched, "9" vs "0" did not

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from edgespec.backends.base import Backend
 
 CONTEXT_TOKENS = 64  # tokens in the cache while timing: a short prompt's worth
@@ -33,6 +35,7 @@ class CostProfile:
     draft_kind: str | None = None
     draft_fixed_ms: float = 0.0  # per cycle (e.g. syncing the draft model's cache)
     draft_per_token_ms: float = 0.0
+    exact_batch: int | None = None  # largest k whose k-token forward gives bit-identical logits to k single steps
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
 
     def t_verify(self, k: int) -> float:
@@ -89,33 +92,72 @@ CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16)
 
 
 def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: float = 2.0,
-              note: Callable[[str], None] | None = None) -> dict[int, float]:
+              note: Callable[[str], None] | None = None, chunk: int | None = None) -> dict[int, float]:
     """T(k) in ms for `ks`: from the cached profile when it has them, else timed in about
     `budget_s` (`note` is told first) and cached. The scheduler's prior; `edgespec profile`
-    measures more carefully and replaces it."""
+    measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them."""
     path = profile_path(backend)
-    prof = CostProfile.from_json(path.read_text()) if path is not None and path.is_file() else None
+    prof = _load(path)
     if prof is not None and all(k in prof.t_forward_ms for k in ks):
         return prof.t_forward_ms
     if note:
         note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
-    once = time_forward(backend, [ks[0], ks[-1]], repeats=1)
+    once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk)
     per_repeat = len(ks) * (once[ks[0]] + once[ks[-1]]) / 2 / 1000  # T(k) is about linear in k
-    t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / max(per_repeat, 1e-6)))))
-    if path is not None:
-        from edgespec.models import model_key
-
-        t = {**(prof.t_forward_ms if prof else {}), **t}
-        fresh = CostProfile(backend.path, model_key(backend.path), backend.name, backend_version(backend),
-                            getattr(backend, "threads", 0), t)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(fresh.to_json())
+    t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / max(per_repeat, 1e-6)))), chunk=chunk)
+    t = {**(prof.t_forward_ms if prof else {}), **t}
+    _save(path, backend, t_forward_ms=t)
     return t
 
 
+def exact_batch(backend: Backend, k_max: int = 16) -> int:
+    """The largest k ≤ k_max for which a k-token forward returns exactly the logits of k single-token
+    steps (cached in the profile). Beyond it, verification would not see what plain decoding sees:
+    llama.cpp's CPU K-quant matmuls switch kernels at 8 rows here (Gemma-270M Q4_K_M: Δ up to 1.4)."""
+    path = profile_path(backend)
+    prof = _load(path)
+    if prof is not None and prof.exact_batch is not None:
+        return prof.exact_batch
+    best = k_max
+    for seed in (0, 1):  # two contexts: a kernel switch can agree by chance on one
+        n0 = max(1, min(CONTEXT_TOKENS * (seed + 1), backend.n_ctx - k_max))
+        rng = np.random.default_rng(seed)
+        toks = [int(t) for t in rng.integers(1, min(backend.n_vocab, 5000), n0 + k_max)]
+        backend.truncate(0)
+        backend.eval(toks[:n0], rows="none")
+        single = np.stack([backend.eval([t], rows="last")[0] for t in toks[n0:]])
+        for k in range(2, best + 1):
+            backend.truncate(n0)
+            if not np.array_equal(backend.eval(toks[n0:n0 + k], rows="all"), single[:k]):
+                best = k - 1
+                break
+    backend.truncate(0)
+    _save(path, backend, exact_batch=best)
+    return best
+
+
+def _load(path: Path | None) -> CostProfile | None:
+    return CostProfile.from_json(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _save(path: Path | None, backend: Backend, **fields) -> None:
+    """Update (or start) the cached profile with these fields."""
+    if path is None:
+        return
+    from dataclasses import replace
+
+    from edgespec.models import model_key
+
+    prof = _load(path) or CostProfile(backend.path, model_key(backend.path), backend.name,
+                                      backend_version(backend), getattr(backend, "threads", 0), {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace(prof, **fields).to_json())
+
+
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
-                 progress: Callable[[int, int], None] | None = None) -> dict[int, float]:
-    """Median ms of a k-token forward (all k logit rows) after CONTEXT_TOKENS cached tokens."""
+                 progress: Callable[[int, int], None] | None = None, chunk: int | None = None) -> dict[int, float]:
+    """Median ms of a k-token forward (all k logit rows) after CONTEXT_TOKENS cached tokens, in
+    forwards of at most `chunk` tokens."""
     n0 = max(1, min(CONTEXT_TOKENS, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
     base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + max(ks))]
     backend.truncate(0)
@@ -126,7 +168,8 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     for r in range(repeats):
         for k in (ks if r % 2 == 0 else list(reversed(ks))):
             t0 = time.perf_counter()
-            backend.eval(base[n0:n0 + k], rows="all")
+            for i in range(0, k, chunk or k):
+                backend.eval(base[n0 + i:n0 + min(k, i + (chunk or k))], rows="all")
             times[k].append((time.perf_counter() - t0) * 1000)
             backend.truncate(n0)
         if progress:
