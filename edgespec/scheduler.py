@@ -247,7 +247,7 @@ class Scheduler:
             self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
             self._support = d.support if d.support is not None else K_MAX
         if shadow:
-            d = Draft([])
+            return Draft([]), Decision(ms=t_verify[1], seconds=seconds + time.perf_counter() - t1)
         if d.tokens and not probe and (params.greedy or d.q is None):
             # a deterministic draft may be cut after the fact; a sampled one may not (its tokens
             # would decide their own verification), so the stop rule above did its cutting
@@ -318,7 +318,11 @@ class Scheduler:
         a[0] = min(a[0], self._recent)  # the run's model must agree with how this text is going
         if confidence is not None:
             a[:n] = [self.calibration(c) for c in confidence[:n]]
-        return np.cumprod(a).tolist()
+        out, s = [], 1.0
+        for x in a:
+            s *= x
+            out.append(s)
+        return out
 
     def _cut(self, confidence: Sequence[float] | None, n: int, most: int, t_draft: Sequence[float],
              t_verify: Sequence[float]) -> tuple[int, float]:
