@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models demo test test-fast lint bench clean
+.PHONY: install models demo test test-fast lint bench anchor clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,12 +31,12 @@ test: models
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real and not slow"
 
-# The default benchmark matrix (~25 min here): per pair, 2 tasks per category, greedy and T=0.7,
+# The default benchmark matrix (~45 min here): per pair, 2 tasks per category, greedy and T=0.7,
 # each speculative run alternating with a plain run; -k auto (the scheduler) beside a sweep of
 # fixed γ. Writes bench/results/<pair>/ and bench/RESULTS.md.
 # --no-strict: greedy mismatches (expected for the F16 target, README known limits) are reported
 # loudly and counted in the tables instead of stopping the matrix.
-BENCH_ARGS ?= --per-category 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
+BENCH_ARGS ?= --per-category 2 --repeats 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
 # name:target:drafter:γ values. Cost profiles first (cached): every target, and gemma3 as the
 # drafter's per-token cost.
 BENCH_PAIRS := smollm2-ngram:smollm2:ngram:auto,4,8,12 gemma3-ngram:gemma3:ngram:auto,4,8,12 \
@@ -51,6 +51,23 @@ bench: models
 	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $(BENCH_ARGS) --out bench/results/$$name; \
 	  sed -e 's|^# |## |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
 	    bench/results/$$name/results.md >> bench/RESULTS.md; \
+	done
+
+# llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
+# outside the repository, ~10 min the first time), beside `make bench`'s k=auto runs: appended to
+# bench/RESULTS.md. Run after `make bench`, on an idle machine.
+ANCHOR_ARGS ?= --per-category 2 --max-tokens 96
+anchor: models
+	@set -e; bench/anchors/build.sh > /dev/null; M=$${EDGESPEC_HOME:-$$HOME/.cache/edgespec}/models; \
+	$(BIN)/python bench/anchors/native.py --target $$M/SmolLM2-135M-Instruct.Q4_1.gguf --drafter ngram \
+	  --n-max 0 --n-max 4 --n-max 8 --n-max 12 $(ANCHOR_ARGS) --out bench/results/smollm2-ngram/native_anchor.json; \
+	$(BIN)/python bench/anchors/native.py --target $$M/gemma-3-270m-f16.gguf --drafter $$M/gemma-3-270m-q4_k_m.gguf \
+	  --n-max 0 --n-max 2 --n-max 4 --n-max 8 $(ANCHOR_ARGS) --out bench/results/gemma3-f16-draft/native_anchor.json; \
+	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> bench/RESULTS.md; \
+	for pair in smollm2-ngram gemma3-f16-draft; do \
+	  printf '### %s\n\n' $$pair >> bench/RESULTS.md; \
+	  $(BIN)/python bench/anchors/compare.py bench/results/$$pair/results.json bench/results/$$pair/native_anchor.json >> bench/RESULTS.md; \
+	  echo >> bench/RESULTS.md; \
 	done
 
 lint: install
