@@ -176,6 +176,9 @@ class Engine:
         model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
         if model is not None and self.drafter not in self._draft_ms:
             self._draft_ms[self.drafter] = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
+            reset = getattr(self.drafter, "reset", None)
+            if reset is not None:
+                reset()  # timing used the draft model's KV cache
 
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""

@@ -205,3 +205,16 @@ def test_verification_is_split_where_the_backend_is_not_batch_invariant():
         spec = engine.generate(prompt, max_tokens=64)
         assert spec.tokens == plain.tokens and spec.stats.n_accepted > 0
     assert engine._exact == 4
+
+
+def test_calibrating_a_used_draft_model_keeps_its_drafts_in_sync():
+    """Timing the draft model for the scheduler reuses its KV cache: the drafter must re-read the
+    context afterwards, not trust its stale mirror."""
+    target = ReferenceBackend(6, seed=5)
+    drafter = DraftModelDrafter(target.perturbed(0.3), target.n_vocab)
+    engine = Engine(target, drafter, num_draft=3)
+    before = engine.generate("abcabcab", max_tokens=40).stats.acceptance_rate
+    engine.calibrate()  # the first auto generation would do this
+    assert drafter._kv == [] and drafter.model.n_past == 0
+    after = engine.generate("abcabcab", max_tokens=40).stats.acceptance_rate
+    assert after == before

@@ -89,6 +89,11 @@ class DraftModelDrafter:
             pass  # draft what fits; the target checks the context limit itself
         return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None, conf, synced)
 
+    def reset(self) -> None:
+        """Forget the cached context (after something else used the model's KV cache)."""
+        self._kv = []
+        self.model.truncate(0)
+
     def close(self) -> None:
         self.model.close()
 
