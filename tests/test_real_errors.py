@@ -122,7 +122,7 @@ def test_vocab_mismatch_names_both_files_and_first_token(smollm2_path, gemma_q4_
 
 
 def test_same_vocab_pair_loads_and_drafts(tiny_target, tiny_drafter):
-    with edgespec.load(tiny_target, drafter=tiny_drafter, n_ctx=256, threads=1) as eng:
+    with edgespec.load(tiny_target, drafter=tiny_drafter, n_ctx=256, threads=1, num_draft=4) as eng:
         out = eng.generate(PROMPT, max_tokens=16)
         assert len(out.tokens) == 16
         assert out.stats.n_drafted > 0 and out.stats.n_accepted > 0

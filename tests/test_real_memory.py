@@ -57,7 +57,7 @@ def init_from_model(model, params):  # the model is loaded, its context not yet 
 
 ll.llama_init_from_model = init_from_model
 path, n_ctx, max_tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-engine = edgespec.load(path, drafter="ngram", n_ctx=n_ctx, threads=1)
+engine = edgespec.load(path, drafter="ngram", n_ctx=n_ctx, threads=1, num_draft=4)
 snap["loaded"] = status()
 out = engine.generate(prompt, max_tokens=max_tokens)
 snap["end"] = status()

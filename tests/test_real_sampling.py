@@ -79,7 +79,7 @@ def run_many(engine, seeds, **kwargs) -> tuple[Counter, list]:
 
 @pytest.fixture(scope="module")
 def ngram_engine(smollm2_path):
-    with edgespec.load(smollm2_path, drafter="ngram", n_ctx=256, threads=1) as eng:
+    with edgespec.load(smollm2_path, drafter="ngram", n_ctx=256, threads=1, num_draft=4) as eng:
         yield eng
 
 
@@ -139,7 +139,7 @@ def q2k_drafter(tmp_path_factory, smollm2_path):
 
 def test_draft_model_sampling_matches_plain(smollm2_path, q2k_drafter, plain_counts):
     t0 = time.perf_counter()
-    with edgespec.load(smollm2_path, drafter=q2k_drafter, n_ctx=256, threads=1) as engine:
+    with edgespec.load(smollm2_path, drafter=q2k_drafter, n_ctx=256, threads=1, num_draft=4) as engine:
         spec, stats = run_many(engine, range(N_RUNS))
     _check_both_branches(stats, "draft model (Q2_K)")
     p, cells = homogeneity_p(spec, plain_counts)
