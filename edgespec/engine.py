@@ -112,11 +112,8 @@ class Engine:
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
-        if gamma != 0 and self._exact is None:
-            from edgespec.bench.profile import exact_batch
-
-            self._exact = exact_batch(self.target)  # cached per model after the first time
-            self.reset()  # measuring used the target's KV cache
+        if gamma != 0:
+            self._measure_exact_batch()
         sched = self._scheduler(params) if gamma == "auto" else None
         ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                else [int(t) for t in prompt])
@@ -165,11 +162,9 @@ class Engine:
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
         """Load (or time in ≤ 2 s, and cache) the cost profiles that num_draft="auto" starts from.
         Runs by itself at the first auto generation; call it to choose when. `note` hears of timing."""
-        from edgespec.bench.profile import calibrate, exact_batch
+        from edgespec.bench.profile import calibrate
 
-        if self._exact is None:
-            self._exact = exact_batch(self.target)
-            self.reset()  # measuring used the target's KV cache
+        self._measure_exact_batch()
         if self._t_forward is None:
             self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
             self.reset()
@@ -199,6 +194,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _measure_exact_batch(self) -> None:
+        """How many tokens one verification forward may take (cached per model after the first time)."""
+        if self._exact is None:
+            from edgespec.bench.profile import exact_batch
+
+            self._exact = exact_batch(self.target)
+            self.reset()  # measuring used the target's KV cache
 
     def _scheduler(self, params: SamplingParams) -> Scheduler:
         """The scheduler for this drafter and sampling mode (acceptance differs with temperature);

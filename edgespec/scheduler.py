@@ -35,14 +35,13 @@ SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
 RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
 
 
-def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
-               lo: int = 0) -> tuple[int, float]:
-    """argmax_γ of (1 + Σ_{i≤γ} S_i) / (t_draft[γ] + t_verify[γ+1]) for lo ≤ γ ≤ len(survival),
+def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float]) -> tuple[int, float]:
+    """argmax_γ of (1 + Σ_{i≤γ} S_i) / (t_draft[γ] + t_verify[γ+1]) for 0 ≤ γ ≤ len(survival),
     and that rate in tokens per unit of time. t_draft[0] is a plain step's (0), t_verify[k] is
     T(k) (index 0 unused)."""
-    best, best_rate, tokens = lo, -1.0, 1.0 + sum(survival[:lo])
-    for g in range(lo, len(survival) + 1):
-        if g > lo:
+    best, best_rate, tokens = 0, -1.0, 1.0
+    for g in range(len(survival) + 1):
+        if g > 0:
             tokens += survival[g - 1]
         rate = tokens / (t_draft[g] + t_verify[g + 1])
         if rate > best_rate:
@@ -125,7 +124,6 @@ class Acceptance:
         self.hits, self.tries = [0.0] * K_MAX, [0.0] * K_MAX
         self.prior, self.strength, self.decay = prior, strength, decay
         self._rates: list[float] | None = None
-        self._survival: list[float] | None = None
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified draft: positions 1..accepted passed, accepted+1 (if drafted) failed."""
@@ -136,7 +134,7 @@ class Acceptance:
         """Position i+1 was judged (its predecessors having passed)."""
         self.hits[i] = self.decay * self.hits[i] + ok
         self.tries[i] = self.decay * self.tries[i] + 1
-        self._rates = self._survival = None
+        self._rates = None
 
     @property
     def rates(self) -> list[float]:
@@ -147,13 +145,6 @@ class Acceptance:
                 out.append(prev)
             self._rates = out
         return self._rates
-
-    @property
-    def survival(self) -> list[float]:
-        """[i] = P(drafts 1..i+1 all accepted)."""
-        if self._survival is None:
-            self._survival = np.cumprod(self.rates).tolist()
-        return self._survival
 
 
 class Calibration:
@@ -299,14 +290,10 @@ class Scheduler:
             if hit is not None:
                 self.run = self.run + 1 if hit else 0
 
-    def forget_shadow(self) -> None:
-        """A new generation: drop pending shadow drafts and start from the cautious state."""
-        self._shadows, self.run = [], 0
-
     def new_generation(self, n_prompt: int) -> None:
-        """A new prompt: forget shadows; a costly drafter has yet to read it (a probe would pay that)."""
-        self.forget_shadow()
-        self._lag, self._recent = n_prompt, 0.5
+        """A new prompt: drop pending shadow drafts, start from the cautious state; a costly drafter
+        has yet to read the prompt (a probe would pay for that)."""
+        self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, 0.5
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -335,10 +322,9 @@ class Scheduler:
     def _probe_gamma(self, limit: int, t_draft: Sequence[float], t_verify: Sequence[float]) -> int:
         """A probe's γ if its turn has come: what would win at PROBE_ACCEPTANCE, once plain steps
         have run long enough that the probe's expected loss fits PROBE_BUDGET of their time."""
-        opt = np.cumprod([PROBE_ACCEPTANCE] * limit).tolist()
-        g, _ = best_gamma(opt, t_draft, t_verify)
-        g = max(g, 1)
-        s = sum(self.acceptance.survival[:g])
+        g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify)
+        g = max(g_opt, 1)
+        s = sum(self._survival(None, 0)[:g])
         loss = t_draft[g] + t_verify[g + 1] - (1.0 + s) * t_verify[1] + self.cost.t_catch_up(self._lag)
-        budget = PROBE_BUDGET if best_gamma(opt, t_draft, t_verify)[0] > 0 else PROBE_BUDGET / 10
+        budget = PROBE_BUDGET if g_opt > 0 else PROBE_BUDGET / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0

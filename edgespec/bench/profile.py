@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +97,7 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     `budget_s` (`note` is told first) and cached. The scheduler's prior; `edgespec profile`
     measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them."""
     path = profile_path(backend)
-    prof = _load(path)
+    prof = load_profile(path)
     if prof is not None and all(k in prof.t_forward_ms for k in ks):
         return prof.t_forward_ms
     if note:
@@ -106,7 +106,7 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     per_repeat = len(ks) * (once[ks[0]] + once[ks[-1]]) / 2 / 1000  # T(k) is about linear in k
     t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / max(per_repeat, 1e-6)))), chunk=chunk)
     t = {**(prof.t_forward_ms if prof else {}), **t}
-    _save(path, backend, t_forward_ms=t)
+    save_profile(path, backend, t_forward_ms=t)
     return t
 
 
@@ -115,7 +115,7 @@ def exact_batch(backend: Backend, k_max: int = 16) -> int:
     steps (cached in the profile). Beyond it, verification would not see what plain decoding sees:
     llama.cpp's CPU K-quant matmuls switch kernels at 8 rows here (Gemma-270M Q4_K_M: Δ up to 1.4)."""
     path = profile_path(backend)
-    prof = _load(path)
+    prof = load_profile(path)
     if prof is not None and prof.exact_batch is not None:
         return prof.exact_batch
     best = k_max
@@ -132,26 +132,24 @@ def exact_batch(backend: Backend, k_max: int = 16) -> int:
                 best = k - 1
                 break
     backend.truncate(0)
-    _save(path, backend, exact_batch=best)
+    save_profile(path, backend, exact_batch=best)
     return best
 
 
-def _load(path: Path | None) -> CostProfile | None:
+def load_profile(path: Path | None) -> CostProfile | None:
     return CostProfile.from_json(path.read_text()) if path is not None and path.is_file() else None
 
 
-def _save(path: Path | None, backend: Backend, **fields) -> None:
-    """Update (or start) the cached profile with these fields."""
+def save_profile(path: Path | None, backend: Backend, **fields) -> None:
+    """Update (or start) the cached profile with these fields, keeping the others."""
     if path is None:
         return
-    from dataclasses import replace
-
     from edgespec.models import model_key
 
-    prof = _load(path) or CostProfile(backend.path, model_key(backend.path), backend.name,
+    prof = load_profile(path) or CostProfile(backend.path, model_key(backend.path), backend.name,
                                       backend_version(backend), getattr(backend, "threads", 0), {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(replace(prof, **fields).to_json())
+    path.write_text(replace(prof, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields).to_json())
 
 
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,

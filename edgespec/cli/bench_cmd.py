@@ -133,9 +133,10 @@ def bench(
 
 
 def _cached_profile(path: Path | None) -> dict[int, float] | None:
-    from edgespec.bench.profile import CostProfile
+    from edgespec.bench.profile import load_profile
 
-    return CostProfile.from_json(path.read_text()).t_forward_ms if path and path.is_file() else None
+    prof = load_profile(path)
+    return prof.t_forward_ms if prof else None
 
 
 def _cached_t1(path: Path | None) -> float | None:

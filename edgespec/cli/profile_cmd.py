@@ -28,26 +28,32 @@ def profile(
 
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
-    from edgespec.bench.profile import CostProfile, expected_tau, ideal_speedup_at, profile_path, time_forward
+    from edgespec.bench.profile import (
+        expected_tau,
+        ideal_speedup_at,
+        load_profile,
+        profile_path,
+        save_profile,
+        time_forward,
+    )
     from edgespec.bench.tasks import load_tasks
     from edgespec.engine import Engine
-    from edgespec.models import model_key
 
     threads = threads or default_threads()
     target = open_backend(model, threads=threads, n_ctx=2048)
-    sha, version = model_key(target.path), llama_cpp.__version__
+    version = llama_cpp.__version__
     cached = profile_path(target)
     assert cached is not None
-    prof = CostProfile.from_json(cached.read_text()) if cached.is_file() and not refresh else None
+    prof = None if refresh else load_profile(cached)
     if prof is not None and all(k in prof.t_forward_ms for k in range(1, max_k + 1)):
         ui.status(f"T(k) from the cache {cached} (--refresh to re-measure)")
     else:
         ks = list(range(1, max_k + 1))
         with ui.progress(f"timing T(1..{max_k})", repeats) as advance:
             t = time_forward(target, ks, repeats, progress=lambda done, _: advance(done))
-        prof = CostProfile(target.path, sha, target.name, version, threads, t)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(prof.to_json())
+        save_profile(cached, target, t_forward_ms=t)  # keeps the other fields (exact_batch)
+        prof = load_profile(cached)
+        assert prof is not None
         ui.status(f"saved {cached}")
     engine = Engine(target, make_drafter(None if drafter == "none" else drafter, target, threads=threads,
                                          n_ctx=2048))
