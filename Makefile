@@ -11,10 +11,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # The first install builds llama-cpp-python from source (about 10 minutes on 2 cores);
-# pip's wheel cache makes later installs fast.
+# pip's wheel cache makes later installs fast. The mlx extra is mlx[cpu] on Linux (the MLX tests run
+# on CPU there), the Metal build on macOS.
 $(STAMP): pyproject.toml | $(BIN)/python
-	@echo "installing edgespec[llama,dev] (first time: builds llama-cpp-python, ~10 min)"
-	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev]"
+	@echo "installing edgespec[llama,dev,mlx] (first time: builds llama-cpp-python, ~10 min)"
+	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx]"
 	@touch $(STAMP)
 
 install: $(STAMP)

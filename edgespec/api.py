@@ -9,15 +9,19 @@ from edgespec.drafters.base import Drafter
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError
 
-BACKENDS = ("llama.cpp",)
+BACKENDS = ("llama.cpp", "mlx")
 
 
 def open_backend(model: str | os.PathLike, backend: str = "llama.cpp", **options) -> Backend:
-    """Open one model file (or known model name) on a backend."""
+    """Open one model file (or known model name; on "mlx" also an mlx-lm directory) on a backend."""
     from edgespec.models import resolve_model
 
     if backend not in BACKENDS:
         raise EdgespecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "mlx":  # a GGUF file, an mlx-lm directory, or a known name
+        from edgespec.backends.mlx import MlxBackend
+
+        return MlxBackend(model, **options)
     from edgespec.backends.llama_cpp import LlamaCppBackend
 
     return LlamaCppBackend(resolve_model(str(model)), **options)
@@ -37,9 +41,11 @@ def load(
     """Load a target model and a drafter.
 
     Args:
-        target: GGUF path or known model name (see `edgespec models list`); default SmolLM2-135M-Instruct.
+        target: GGUF path or known model name (see `edgespec models list`), or an mlx-lm model directory
+            with backend="mlx"; default SmolLM2-135M-Instruct.
         drafter: None (plain decoding), "ngram" (prompt lookup), or a same-vocabulary GGUF path/name.
-        backend: "llama.cpp".
+        backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
+            model runs on the same backend).
         n_ctx: context size in tokens (target and draft model).
         threads: CPU threads (default: up to 8).
         n_gpu_layers: layers offloaded on CUDA/Metal builds of llama.cpp (-1 = all).

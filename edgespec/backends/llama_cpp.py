@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -160,7 +161,66 @@ def _gguf_truncation(path: Path) -> str | None:
     return None
 
 
-class LlamaCppBackend:
+class _VocabCalls:
+    """Tokenizer and metadata calls on a loaded llama.cpp model: shared by LlamaCppBackend and
+    LlamaVocab (a vocab-only load, for backends that run the weights elsewhere)."""
+
+    _ll: Any
+    _model: Any
+
+    def _init_vocab(self) -> None:
+        ll = self._ll
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self.add_bos = bool(ll.llama_vocab_get_add_bos(self._vocab))
+        self.bos_id = _tok_or_none(ll.llama_vocab_bos(self._vocab))
+        self.eos_id = _tok_or_none(ll.llama_vocab_eos(self._vocab))
+        self.token_to_bytes = lru_cache(maxsize=None)(self._piece)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (self._ll.llama_token * n_max)()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (self._ll.llama_token * n_max)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            raise BackendError(f"llama_tokenize failed ({n}) on a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def _piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    def vocab_fingerprint(self) -> VocabInfo:
+        ll, v = self._ll, self._vocab
+        return VocabInfo(
+            vocab_type=ll.llama_vocab_type(v), n_vocab=self.n_vocab,
+            add_bos=self.add_bos, bos_id=self.bos_id,
+            add_eos=bool(ll.llama_vocab_get_add_eos(v)), eos_id=self.eos_id,
+            token_text=lambda i: ll.llama_vocab_get_text(v, i).decode("utf-8", "replace"))
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+
+class LlamaCppBackend(_VocabCalls):
     """A GGUF model on llama.cpp.
 
     Args:
@@ -217,65 +277,16 @@ class LlamaCppBackend:
             self.close()
             raise ModelLoadError(f"cannot create a llama.cpp context for {p} (n_ctx={n_ctx}, kv_type={kv_type}): "
                                  f"{_diagnose(p)}")
-        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._init_vocab()
         self._mem = ll.llama_get_memory(self._ctx)
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         self.n_batch, self.threads = n_batch, threads
         self.n_ctx = ll.llama_n_ctx(self._ctx)
-        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
-        self.add_bos = bool(ll.llama_vocab_get_add_bos(self._vocab))
-        self.bos_id = _tok_or_none(ll.llama_vocab_bos(self._vocab))
-        self.eos_id = _tok_or_none(ll.llama_vocab_eos(self._vocab))
         self._n_past = 0
-        self.token_to_bytes = lru_cache(maxsize=None)(self._piece)
-
-    # -- tokens -----------------------------------------------------------------------------------
 
     @property
     def n_past(self) -> int:
         return self._n_past
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (self._ll.llama_token * n_max)()
-        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (self._ll.llama_token * n_max)()
-            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            raise BackendError(f"llama_tokenize failed ({n}) on a text of {len(data)} bytes")
-        return list(buf[:n])
-
-    def _piece(self, token: int) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = self._ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-        return buf.raw[:n]
-
-    def is_eog(self, token: int) -> bool:
-        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
-
-    def vocab_fingerprint(self) -> VocabInfo:
-        ll, v = self._ll, self._vocab
-        return VocabInfo(
-            vocab_type=ll.llama_vocab_type(v), n_vocab=self.n_vocab,
-            add_bos=self.add_bos, bos_id=self.bos_id,
-            add_eos=bool(ll.llama_vocab_get_add_eos(v)), eos_id=self.eos_id,
-            token_text=lambda i: ll.llama_vocab_get_text(v, i).decode("utf-8", "replace"))
-
-    def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
 
     # -- evaluation -------------------------------------------------------------------------------
 
@@ -341,6 +352,34 @@ class LlamaCppBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LlamaVocab(_VocabCalls):
+    """A GGUF file's tokenizer and metadata alone: a vocab-only llama.cpp load (no weights, no
+    context), for backends that run the weights elsewhere (MLX). Tokenization is then llama.cpp's,
+    token for token."""
+
+    def __init__(self, path: str | os.PathLike, verbose: bool = False) -> None:
+        self._model = None
+        self._ll = ll = _lib()
+        _state["verbose"] = verbose
+        p = Path(path).expanduser()
+        check_gguf_file(p)
+        mp = ll.llama_model_default_params()
+        mp.vocab_only = True
+        _LOG.clear()
+        self._model = ll.llama_model_load_from_file(str(p).encode(), mp)
+        if not self._model:
+            raise ModelLoadError(f"cannot read the vocabulary of {p}: {_diagnose(p)}")
+        self._init_vocab()
+
+    def close(self) -> None:
+        if self._model:
+            self._ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
         self.close()
 
 

@@ -1,4 +1,4 @@
-"""The `edgespec` command line: generate, chat, demo, models.
+"""The `edgespec` command line: generate, chat, demo, models, profile, bench, convert.
 
 Heavy modules (llama_cpp, the backends) load inside the commands, so `edgespec --help` works
 without llama-cpp-python. Every EdgespecError becomes one red `error: ...` line and exit code 1.
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from edgespec.cli import bench_cmd, models_cmd, profile_cmd, ui
+from edgespec.cli import bench_cmd, convert_cmd, models_cmd, profile_cmd, ui
 from edgespec.cli.options import RunOptions, run_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
@@ -42,7 +42,7 @@ class _Group(TyperGroup):
 app = typer.Typer(
     name="edgespec",
     cls=_Group,
-    help="Lossless speculative decoding for local LLMs (llama.cpp).",
+    help="Lossless speculative decoding for local LLMs (llama.cpp, MLX).",
     no_args_is_help=True,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -50,6 +50,7 @@ app = typer.Typer(
 app.add_typer(models_cmd.app)
 app.command()(profile_cmd.profile)
 app.command()(bench_cmd.bench)
+app.command()(convert_cmd.convert)
 
 
 def _version(value: bool) -> None:
@@ -65,7 +66,7 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Show the version and exit.")] = False,
 ) -> None:
-    """Lossless speculative decoding for local LLMs (llama.cpp)."""
+    """Lossless speculative decoding for local LLMs (llama.cpp, MLX)."""
 
 
 # -- streaming with Ctrl-C ---------------------------------------------------------------------------

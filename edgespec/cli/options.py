@@ -26,6 +26,7 @@ class RunOptions:
 
     target: str | None = None
     drafter: str = "ngram"
+    backend: str = "llama.cpp"
     num_draft: str = "auto"
     temp: float = 0.0
     top_k: int = 0
@@ -41,10 +42,13 @@ class RunOptions:
 
     def check(self) -> None:
         """Reject bad values before any model is loaded."""
+        from edgespec.api import BACKENDS
         from edgespec.engine import check_num_draft
         from edgespec.sampling import SamplingParams
 
         SamplingParams(self.temp, self.top_k, self.top_p, self.min_p)
+        if self.backend not in BACKENDS:
+            raise EdgespecError(f"--backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         try:
             check_num_draft(self.num_draft)
         except EdgespecError:
@@ -60,7 +64,7 @@ class RunOptions:
 
         self.check()
         drafter = None if self.no_spec or self.drafter.lower() == "none" else self.drafter
-        engine = edgespec.load(self.target, drafter, n_ctx=self.ctx, threads=self.threads,
+        engine = edgespec.load(self.target, drafter, backend=self.backend, n_ctx=self.ctx, threads=self.threads,
                                n_gpu_layers=self.gpu_layers, num_draft=self.gamma, verbose=self.verbose)
         if engine.num_draft == "auto" and engine.drafter is not None:
             from edgespec.cli import ui
@@ -83,9 +87,12 @@ class RunOptions:
 
 _PANEL = "Model and sampling"
 _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
-    "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`)."),
+    "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`); "
+                               "with --backend mlx also an mlx-lm model directory."),
     "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
                                 "or 'none'."),
+    "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
+                                "converted to MLX once and cached; needs `pip install 'edgespec[mlx]'`)."),
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
                                          "costs and acceptance (0 = plain steps when speculation would lose)."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),

@@ -1,0 +1,211 @@
+"""MLX backend: an mlx-lm model class (`mlx_lm.models.<arch>.Model`) with mlx-lm KV caches.
+
+Rollback is a cache trim. Sliding-window layers (Gemma 3) get a full KVCache with the window
+applied by the attention mask instead of mlx-lm's RotatingKVCache, which cannot be trimmed once it
+wraps: the same choice as llama.cpp's swa_full. A model with any other untrimmable cache (recurrent
+or hybrid layers) is refused when it is opened, naming the layer type.
+
+A GGUF file is converted once (mlx_convert.py; cached under $EDGESPEC_HOME/mlx) and tokenized by
+llama.cpp's own tokenizer from its metadata (a vocab-only load), so token ids match the llama.cpp
+backend exactly. An mlx-lm model directory without tokenizer.gguf uses its tokenizer.json (hf_vocab.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.backends.base import LogitRows, VocabInfo
+from edgespec.errors import ContextOverflowError, MissingDependencyError, ModelLoadError
+
+# Model types whose Model.__call__ is `lm_head(self.model(...))` (or the tied embedding): for them
+# the LM head runs only on the rows asked for. Others run whole and are sliced.
+_SPLIT_HEAD = {"llama", "gemma3_text"}
+
+
+def import_mlx() -> Any:
+    """mlx.core, or a one-line MissingDependencyError."""
+    try:
+        import mlx.core as mx
+        import mlx_lm  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"the MLX backend needs mlx and mlx-lm ({e.name} is missing): pip install 'edgespec[mlx]'") from e
+    return mx
+
+
+def mlx_model_dir(path: str | os.PathLike, note: Callable[[str], None] | None = None) -> Path:
+    """The MLX model directory for `path`: an mlx-lm directory as it is, a GGUF file converted (cached)."""
+    from edgespec.models import resolve_model
+
+    p = resolve_model(str(path))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{p} is not an MLX model directory (no config.json)")
+        return p
+    from edgespec.backends.llama_cpp import check_gguf_file
+    from edgespec.backends.mlx_convert import cached_conversion
+
+    check_gguf_file(p)
+    return cached_conversion(p, note=note)
+
+
+def trimmable_caches(model: Any, model_type: str) -> list[Any]:
+    """The model's mlx-lm caches, sliding-window ones replaced by full KVCaches (see the module
+    docstring); ModelLoadError naming the first layer whose cache cannot be rolled back."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    caches = [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)]
+    for i, c in enumerate(caches):
+        if not (isinstance(c, KVCache) and c.is_trimmable()):
+            kind = type(c).__name__
+            what = " (recurrent state)" if kind in ("ArraysCache", "MambaCache") else ""
+            raise ModelLoadError(
+                f"model type {model_type!r} is not supported: layer {i} keeps a {kind}{what}, which "
+                "cannot be rolled back, and speculative decoding needs a trimmable KV cache")
+    return caches
+
+
+class MlxBackend:
+    """A model on MLX (mlx-lm model classes and caches).
+
+    Args:
+        path: an mlx-lm model directory (config.json + *.safetensors), a GGUF file (converted once and
+            cached), or a known model name.
+        n_ctx: context size in tokens (MLX caches grow; this is the limit `eval` enforces).
+        n_batch: most tokens per forward pass (longer prompts are chunked).
+        threads, n_gpu_layers: accepted for the shared options; MLX chooses its own threads and device.
+        verbose: show llama.cpp's log while reading tokenizer.gguf.
+        vocab: an object with the Backend vocabulary calls (tokenize, token_to_bytes, is_eog,
+            vocab_fingerprint, metadata, bos_id, eos_id, add_bos, n_vocab, close) to use instead of the
+            directory's tokenizer: tests give tiny models a letters vocabulary this way.
+    """
+
+    name = "mlx"
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_batch: int = 512,
+                 threads: int | None = None, n_gpu_layers: int = 0, verbose: bool = False,
+                 vocab: Any = None) -> None:
+        self._vocab: Any = None
+        self._mx = mx = import_mlx()
+        from mlx_lm.utils import load_model
+
+        self.model_dir = mlx_model_dir(path, note=lambda line: print(line, file=sys.stderr))
+        self.path = str(Path(path).expanduser()) if Path(path).expanduser().exists() else str(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.model_type = str(config.get("model_type"))
+        try:
+            model, _ = load_model(self.model_dir, lazy=True)  # weights are read at mx.eval below
+        except (ValueError, FileNotFoundError) as e:
+            raise ModelLoadError(f"mlx-lm cannot load {self.model_dir}: {e}") from e
+        self._caches = trimmable_caches(model, self.model_type)  # refuse before reading the weights
+        mx.eval(model.parameters())
+        self.model = model
+        self._split = self.model_type in _SPLIT_HEAD
+        self.n_ctx, self.n_batch = n_ctx, n_batch
+        self._n_past = 0
+        self._vocab = vocab if vocab is not None else _open_vocab(self.model_dir, verbose)
+        self.n_vocab = int(config.get("vocab_size") or self._vocab.n_vocab)
+        self.bos_id, self.eos_id, self.add_bos = self._vocab.bos_id, self._vocab.eos_id, self._vocab.add_bos
+
+    # -- tokens: the vocabulary object's --------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self._vocab.tokenize(text, add_special, parse_special)
+
+    def token_to_bytes(self, token: int) -> bytes:
+        return self._vocab.token_to_bytes(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self._vocab.is_eog(token)
+
+    def vocab_fingerprint(self) -> VocabInfo:
+        return dataclasses.replace(self._vocab.vocab_fingerprint(), n_vocab=self.n_vocab)
+
+    def metadata(self, key: str) -> str | None:
+        return self._vocab.metadata(key)
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
+        n = len(tokens)
+        if self._n_past + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"{self._n_past} tokens in context + {n} new exceed the context of {self.n_ctx} tokens")
+        out = []
+        for start in range(0, n, self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            last_chunk = start + self.n_batch >= n
+            want = "all" if rows == "all" else ("last" if rows == "last" and last_chunk else "none")
+            logits = self._forward(chunk, want)
+            self._n_past += len(chunk)
+            if logits is not None:
+                out.append(logits)
+        if not out:
+            return np.empty((0, self.n_vocab), np.float32)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _forward(self, chunk: list[int], want: LogitRows) -> npt.NDArray[np.float32] | None:
+        mx, model = self._mx, self.model
+        inputs = mx.array([chunk])  # (1, L)
+        if self._split:
+            h = model.model(inputs, cache=self._caches)  # (1, L, H)
+            if want == "none":
+                mx.eval(h, [(c.keys, c.values) for c in self._caches])
+                return None
+            h = h if want == "all" else h[:, -1:]
+            head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
+            logits = head(h)  # (1, rows, V)
+        else:
+            logits = model(inputs, cache=self._caches)  # (1, L, V)
+            logits = logits if want == "all" else logits[:, -1:]
+        logits = logits.astype(mx.float32)
+        mx.eval(logits, [(c.keys, c.values) for c in self._caches])
+        return None if want == "none" else np.array(logits[0], copy=True)
+
+    def truncate(self, n_past: int) -> None:
+        if n_past >= self._n_past:
+            return
+        for c in self._caches:
+            c.trim(c.offset - n_past)
+        self._n_past = n_past
+
+    def close(self) -> None:
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
+        self._caches = []
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> MlxBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_vocab(model_dir: Path, verbose: bool) -> Any:
+    """llama.cpp's tokenizer from tokenizer.gguf (converted GGUFs), else the directory's tokenizer.json."""
+    from edgespec.backends.mlx_convert import TOKENIZER_FILE
+
+    if (model_dir / TOKENIZER_FILE).is_file():
+        from edgespec.backends.llama_cpp import LlamaVocab
+
+        return LlamaVocab(model_dir / TOKENIZER_FILE, verbose=verbose)
+    from edgespec.backends.hf_vocab import HfVocab
+
+    return HfVocab(model_dir)

@@ -1,0 +1,277 @@
+"""GGUF → MLX: a model directory mlx-lm loads (config.json + model.safetensors) plus tokenizer.gguf.
+
+Quantized weights stay quantized (MLX affine, group 32):
+- Q4_0 / Q4_1 / Q8_0 files load natively with `mx.load(path.gguf)`;
+- Q4_K blocks map exactly onto 4-bit group 32: 8 sub-blocks of 32 with scale d·sc and bias −dmin·m
+  (scales kept as float32, so no rounding at all); the nibbles are repacked;
+- any other quantized type (Q6_K, Q5_K, ...) is dequantized with the `gguf` package and re-quantized
+  to `bits` (8 by default): said per tensor in the report;
+- F32/F16/BF16 tensors stay float (float32).
+GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE: the config says
+rope_traditional=True instead of un-permuting. Gemma's GGUF norm weights carry +1 (llama.cpp's
+converter adds it; mlx-lm's Gemma RMSNorm adds it at run time): it is taken off again.
+tokenizer.gguf holds the source's metadata (vocabulary, merges, chat template) and no tensors:
+the MLX backend tokenizes with llama.cpp's tokenizer from it (a vocab-only load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgespec.errors import ModelLoadError
+
+GROUP = 32  # every GGUF block format maps onto MLX group size 32
+CONVERTER_VERSION = 1  # part of the cache key: bump when the output format changes
+TOKENIZER_FILE = "tokenizer.gguf"
+REPORT_FILE = "edgespec-convert.json"
+_NATIVE = {"Q4_0", "Q4_1", "Q8_0"}  # mx.load reads these as MLX quantized arrays
+_FLOAT = {"F32", "F16", "BF16"}
+
+# GGUF tensor name pieces → mlx-lm module paths (the part after "blk.N.")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+# ffn_norm is the norm before the MLP: llama calls it post_attention_layernorm, gemma3 has four norms
+_ARCH_LAYER_NAMES = {
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class Conversion:
+    """What convert_gguf did: the output directory and how each tensor was carried over."""
+
+    out_dir: Path
+    arch: str
+    treatment: dict[str, str] = field(default_factory=dict)  # mlx name → "q4_1 native", "q4_k → 4-bit", ...
+
+    def summary(self) -> str:
+        counts = Counter(self.treatment.values())
+        return f"{self.arch}: " + ", ".join(f"{n} × {how}" for how, n in sorted(counts.items()))
+
+    @property
+    def requantized(self) -> list[str]:
+        return [name for name, how in self.treatment.items() if "re-quantized" in how]
+
+
+def _mx():
+    from edgespec.backends.mlx import import_mlx
+
+    return import_mlx()
+
+
+def _fields(reader: Any) -> dict[str, Any]:
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def mlx_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """mlx-lm config.json for a llama or gemma3 GGUF's metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCH_LAYER_NAMES:
+        raise ModelLoadError(f"cannot convert GGUF architecture {arch!r} to MLX (supported: llama, gemma3)")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    n_head = get("attention.head_count")
+    n_vocab = len(meta["tokenizer.ggml.tokens"])
+    cfg: dict[str, Any] = dict(
+        hidden_size=get("embedding_length"), num_hidden_layers=get("block_count"),
+        intermediate_size=get("feed_forward_length"), num_attention_heads=n_head,
+        num_key_value_heads=get("attention.head_count_kv", n_head), rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        vocab_size=n_vocab, max_position_embeddings=get("context_length"),
+        head_dim=get("attention.key_length", get("embedding_length") // n_head),
+        tie_word_embeddings="output.weight" not in tensor_names)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if arch == "llama":
+        if scaling != "none":
+            raise ModelLoadError(f"cannot convert: rope scaling {scaling!r} is not supported for llama GGUFs yet")
+        cfg.update(model_type="llama", rope_theta=get("rope.freq_base", 10000.0), rope_traditional=True)
+    else:  # gemma3: llama.cpp's fixed pattern (every 6th layer global) and local RoPE base
+        cfg.update(model_type="gemma3_text", rope_theta=get("rope.freq_base", 1_000_000.0),
+                   rope_local_base_freq=get("rope.freq_base_swa", 10000.0),
+                   sliding_window=get("attention.sliding_window"),
+                   sliding_window_pattern=get("attention.sliding_window_pattern", 6),
+                   query_pre_attn_scalar=cfg["head_dim"])
+        if scaling == "linear":
+            cfg["rope_scaling"] = {"type": "linear", "factor": get("rope.scaling.factor")}
+        elif scaling != "none":
+            raise ModelLoadError(f"cannot convert: rope scaling {scaling!r} is not supported for gemma3 GGUFs")
+    return cfg
+
+
+def mlx_name(gguf_name: str, arch: str) -> str:
+    """blk.3.attn_q.weight → model.layers.3.self_attn.q_proj.weight (ModelLoadError if unknown)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3:
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES[arch]}
+        if parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    elif stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    raise ModelLoadError(f"cannot convert: unknown {arch} tensor {gguf_name!r}")
+
+
+def q4_k_to_affine(blocks: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks (n, 144 bytes) of a (n_rows, n_cols) matrix → MLX affine 4-bit group-32 arrays.
+
+    A block holds 256 values: f16 d and dmin, 12 bytes of 6-bit (sc, m) pairs for its 8 sub-blocks,
+    then 128 bytes where byte l of chunk c holds value l of sub-block 2c (low nibble) and of 2c+1
+    (high nibble). Value = d·sc·q − dmin·m, i.e. MLX's scale·q + bias with scale = d·sc, bias = −dmin·m.
+
+    Returns:
+        (packed uint32 (n_rows, n_cols/8), scales float32 (n_rows, n_cols/32), biases float32 (same)).
+    """
+    from gguf.quants import Q4_K
+
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # (n, 8) each
+    scales = d * sc.astype(np.float32)
+    biases = -(dmin * m.astype(np.float32))
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)  # (n, 4, 2, 32)
+    q = q.reshape(-1, 8).astype(np.uint32)  # 8 consecutive values per word, the first in the low bits
+    packed = np.bitwise_or.reduce(q << (np.arange(8, dtype=np.uint32) * 4), axis=1)
+    return packed.reshape(n_rows, -1), scales.reshape(n_rows, -1), biases.reshape(n_rows, -1)
+
+
+def _tensor_arrays(reader: Any, path: Path, arch: str, bits: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """mlx name → mx.array (quantized tensors as weight/scales/biases), and how each was converted."""
+    import gguf
+
+    mx = _mx()
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    native = mx.load(str(path)) if set(types.values()) <= _NATIVE | _FLOAT else {}
+    out: dict[str, Any] = {}
+    how: dict[str, str] = {}
+    for t in reader.tensors:
+        name, kind = mlx_name(t.name, arch), types[t.name]
+        base = name.rpartition(".")[0]
+        n_rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        if kind in _NATIVE and native:
+            stem = t.name.rpartition(".")[0]
+            out[name] = native[t.name]
+            out[base + ".scales"] = native[stem + ".scales"].astype(mx.float32)
+            out[base + ".biases"] = native[stem + ".biases"].astype(mx.float32)
+            how[name] = f"{kind.lower()} native ({32 * native[t.name].shape[-1] // int(t.shape[0])}-bit)"
+        elif kind == "Q4_K":
+            w, s, b = q4_k_to_affine(np.asarray(t.data).reshape(-1, 144), n_rows)
+            out[name], out[base + ".scales"], out[base + ".biases"] = mx.array(w), mx.array(s), mx.array(b)
+            how[name] = "q4_k → 4-bit (exact)"
+        else:
+            x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+            x = x.reshape(tuple(int(d) for d in reversed(t.shape)))
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                x = x - 1.0  # see the module docstring
+            if kind in _FLOAT or x.ndim == 1:
+                out[name] = mx.array(x)
+                how[name] = "float32" if kind in _FLOAT else f"{kind.lower()} → float32"
+            else:
+                out[name], out[base + ".scales"], out[base + ".biases"] = mx.quantize(
+                    mx.array(x), group_size=GROUP, bits=bits)
+                how[name] = f"{kind.lower()} → re-quantized {bits}-bit"
+    return out, how
+
+
+def _write_tokenizer(reader: Any, meta: dict[str, Any], dst: Path) -> None:
+    """A GGUF with every metadata key of the source and no tensors (what a vocab-only load needs)."""
+    import gguf
+
+    w = gguf.GGUFWriter(dst, meta["general.architecture"])
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, meta[name], vtype, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: int = 8,
+                 note: Callable[[str], None] | None = None) -> Conversion:
+    """Convert a llama or gemma3 GGUF file into an MLX model directory.
+
+    Args:
+        src: the GGUF file.
+        out_dir: the directory to write (created; must not hold a model already).
+        bits: width for quantized types MLX cannot hold as they are (Q6_K, Q5_K, ...): 4 or 8.
+        note: called with progress lines.
+
+    Returns:
+        A Conversion naming how every tensor was carried over.
+    """
+    import gguf
+
+    from edgespec.backends.llama_cpp import check_gguf_file
+
+    say = note or (lambda _line: None)
+    src, out = Path(src).expanduser(), Path(out_dir).expanduser()
+    check_gguf_file(src)
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8 (got {bits})")
+    if (out / "config.json").exists():
+        raise ModelLoadError(f"{out} already holds a model (config.json): choose an empty directory")
+    say(f"reading {src.name}")
+    reader = gguf.GGUFReader(src)
+    meta = _fields(reader)
+    arch = meta.get("general.architecture", "?")
+    config = mlx_config(meta, {t.name for t in reader.tensors})
+    weights, how = _tensor_arrays(reader, src, arch, bits)
+    if any(k.endswith(".scales") for k in weights):
+        config["quantization"] = {"group_size": GROUP, "bits": 4}  # per tensor: inferred from the shapes
+    conv = Conversion(out, arch, {k: v for k, v in how.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    _mx().save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    _write_tokenizer(reader, meta, out / TOKENIZER_FILE)
+    (out / REPORT_FILE).write_text(json.dumps(
+        {"source": str(src), "converter_version": CONVERTER_VERSION, "tensors": conv.treatment}, indent=1) + "\n")
+    say(f"wrote {out}: {conv.summary()}")
+    if conv.requantized:
+        say(f"note: {len(conv.requantized)} tensors were re-quantized to {bits} bits "
+            f"(types MLX cannot hold as they are), e.g. {conv.requantized[0]}")
+    return conv
+
+
+def cached_conversion(src: str | os.PathLike, note: Callable[[str], None] | None = None) -> Path:
+    """The MLX directory for a GGUF file under $EDGESPEC_HOME/mlx, converting it the first time."""
+    from edgespec.models import edgespec_home, model_key
+
+    src = Path(src).expanduser()
+    key = model_key(src)[:16]
+    final = edgespec_home() / "mlx" / f"{src.stem}-{key}-v{CONVERTER_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (note or (lambda _line: None))(f"converting {src.name} to MLX once (cached in {final})")
+        convert_gguf(src, tmp, note=note)
+        if not final.exists():
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

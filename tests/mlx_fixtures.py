@@ -1,0 +1,63 @@
+"""Tiny mlx-lm model directories for tests (config.json + model.safetensors), built in milliseconds.
+
+Weights are seeded numpy draws, so a target and a perturbed copy make a same-vocabulary drafter pair.
+The directories carry no tokenizer: tests hand MlxBackend a vocabulary object (`vocab=`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LM_HEAD_GAIN = 1.5  # next-token logits ~ N(0, 1.5²): peaked, yet several tokens keep real mass
+
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # a recurrent model: its ArraysCache cannot be rolled back
+    "mamba": dict(hidden_size=16, intermediate_size=32, state_size=4, num_hidden_layers=1, conv_kernel=4,
+                  use_bias=False, use_conv_bias=True, time_step_rank=4, tie_word_embeddings=True),
+}
+
+
+def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llama", seed: int = 0,
+                   perturb: float = 0.0, base_seed: int | None = None) -> Path:
+    """Write a random-weight mlx-lm model directory.
+
+    Args:
+        out: directory to create.
+        n_vocab: vocabulary size (6: small enough to enumerate every sampled path).
+        model_type: "llama" or "mamba" (recurrent, for the refusal test).
+        seed: weight seed; with perturb > 0 it seeds the noise added to base_seed's weights.
+        perturb: noise scale relative to each tensor's init (a drafter of tunable quality).
+        base_seed: the seed of the model being perturbed (default seed).
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = {"model_type": model_type, "vocab_size": n_vocab, **_CONFIGS[model_type]}
+    model_class, args_class = _get_classes(config)
+    shapes = {k: v.shape for k, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())}
+
+    def draw(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        out = {}
+        for name, shape in sorted(shapes.items()):
+            std = (shape[-1] ** -0.5) * (LM_HEAD_GAIN if name.startswith("lm_head") else 1.0)
+            out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+            if len(shape) == 1 and "norm" in name:
+                out[name] = np.ones(shape, np.float32)
+        return out
+
+    weights = draw(np.random.default_rng(seed if perturb == 0 else (base_seed if base_seed is not None else seed)))
+    if perturb > 0:
+        noise = draw(np.random.default_rng([seed, 0x5EED]))
+        weights = {k: v + np.float32(perturb) * noise[k] if "norm" not in k else v for k, v in weights.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
