@@ -164,7 +164,7 @@ class Engine:
         Runs by itself at the first auto generation; call it to choose when. `note` hears of timing."""
         from edgespec.bench.profile import calibrate
 
-        self._measure_exact_batch()
+        self._measure_exact_batch(note)
         if self._t_forward is None:
             self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
             self.reset()
@@ -195,12 +195,12 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _measure_exact_batch(self) -> None:
+    def _measure_exact_batch(self, note: Callable[[str], None] | None = None) -> None:
         """How many tokens one verification forward may take (cached per model after the first time)."""
         if self._exact is None:
             from edgespec.bench.profile import exact_batch
 
-            self._exact = exact_batch(self.target)
+            self._exact = exact_batch(self.target, note=note)
             self.reset()  # measuring used the target's KV cache
 
     def _scheduler(self, params: SamplingParams) -> Scheduler:

@@ -1,5 +1,5 @@
 """The MLX backend on tiny mlx-lm models (no model files): rollback, row selection, refusal of
-untrimmable caches, the Q4_K → MLX affine repacking, GGUF tensor names, the missing-extra error."""
+untrimmable caches, the GGUF block → MLX affine repacking, GGUF tensor names, the missing-extra error."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed: pip install '
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
 from edgespec.backends.mlx import MlxBackend  # noqa: E402
-from edgespec.backends.mlx_convert import mlx_name, q4_k_to_affine  # noqa: E402
+from edgespec.backends.mlx_convert import _AFFINE, affine_from_blocks, mlx_name  # noqa: E402
 from edgespec.backends.reference import ReferenceBackend  # noqa: E402
 from edgespec.errors import ContextOverflowError, MissingDependencyError, ModelLoadError  # noqa: E402
 
@@ -66,20 +66,24 @@ def test_not_a_model_directory(tmp_path):
         _open(tmp_path)
 
 
-def test_q4_k_repacking_matches_the_gguf_dequantizer():
-    """Q4_K → MLX affine 4-bit group 32 is exact (float32 scales): checked against `gguf`'s own
-    dequantizer on random blocks."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_block_repacking_matches_the_gguf_dequantizer(kind):
+    """GGUF block formats → MLX affine group 32 are exact (float32 scales): MLX's dequantization of
+    the repacked arrays equals `gguf`'s own dequantizer on random blocks."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(0)
     n_rows, n_cols = 3, 512
-    blocks = rng.integers(0, 256, (n_rows * n_cols // 256, 144), dtype=np.uint8)
-    for lo, hi, col in ((1e-3, 2e-2, 0), (1e-4, 1e-2, 2)):  # d, dmin: finite f16 values
-        blocks[:, col:col + 2] = rng.uniform(lo, hi, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-    want = quants.dequantize(blocks.reshape(n_rows, -1), GGMLQuantizationType.Q4_K)  # (rows, cols)
-    w, s, b = q4_k_to_affine(blocks, n_rows)
-    assert w.shape == (n_rows, n_cols // 8) and s.shape == b.shape == (n_rows, n_cols // 32)
-    got = np.array(mx.dequantize(mx.array(w), mx.array(s), mx.array(b), group_size=32, bits=4))
+    size, bits = _AFFINE[kind]
+    per_block = 256 if kind.endswith("_K") else 32  # values per block
+    blocks = rng.integers(0, 256, (n_rows * n_cols // per_block, size), dtype=np.uint8)
+    for lo, hi, col in ((1e-3, 2e-2, 0), (1e-4, 1e-2, 2)):  # d, then dmin/m where the format has one
+        if col == 0 or kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+            blocks[:, col:col + 2] = rng.uniform(lo, hi, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    want = quants.dequantize(blocks, getattr(GGMLQuantizationType, kind)).reshape(n_rows, n_cols)
+    w, s, b = affine_from_blocks(blocks, kind, n_rows)
+    assert w.shape == (n_rows, n_cols * bits // 32) and s.shape == b.shape == (n_rows, n_cols // 32)
+    got = np.array(mx.dequantize(mx.array(w), mx.array(s), mx.array(b), group_size=32, bits=bits))
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 

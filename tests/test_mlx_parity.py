@@ -1,15 +1,22 @@
 """The MLX backend against llama.cpp on the real models: same token sequences, logits compared row
 by row, and greedy speculative == plain on MLX with the n-gram drafter.
 
-Tolerance (stated in the README): top-1 agreement >= 99% over >= 500 positions, and per position
-max|Δlogit| <= REL_TOL × (llama.cpp's logit range at that position). Exact equality is not
-expected: llama.cpp quantizes activations to 8 bits for its quantized dot products, MLX does not.
+Two references:
+- llama.cpp on an F32 copy of the same GGUF (every tensor dequantized): the same weights without
+  llama.cpp's quantized kernels. MLX must agree with it closely (top-1 >= 99%).
+- llama.cpp on the quantized file itself. Its kernels round activations to 8 bits (MLX does not), and
+  that alone moves logits by ~2% of their range: llama.cpp Q4_1 disagrees with its own F32 copy on
+  top-1 at 1.6% of positions, every one a near-tie. MLX must agree with it as well as llama.cpp agrees
+  with itself: max|Δ| within 1.25× of llama.cpp's own quantized-vs-F32 deviation, and top-1 flips
+  only where llama.cpp's top-2 gap is below that row's max|Δ|.
+Measured numbers are in the README (MLX backend).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf_fixtures import dequantize_gguf
 from real_prompts import PROMPTS
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
@@ -19,42 +26,46 @@ import edgespec  # noqa: E402
 from edgespec.api import open_backend  # noqa: E402
 from edgespec.cli.app import DEMO_PROMPT  # noqa: E402
 
-pytestmark = pytest.mark.real
-N_POSITIONS = 512
-REL_TOL = {"smollm2": 0.08, "gemma3": 0.08}  # measured worst cases in the README, with margin
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+N_POSITIONS = {"smollm2": 512, "gemma3": 640}  # Gemma: past its 512-token sliding window
+F32_TOL = {"smollm2": 0.004, "gemma3": 0.03}  # max|Δ| / logit range vs the F32 copy (Gemma: Q6_K → 8-bit)
 
 
-def parity(path, n_positions: int = N_POSITIONS, chunk: int = 64) -> tuple[float, np.ndarray, int]:
-    """(top-1 agreement, per-position max|Δ| / logit range, positions) over one long token sequence,
-    evaluated in chunks of `chunk` rows on both backends."""
-    lc = open_backend(path, n_ctx=1024, kv_type="f32")  # the reference: no 8-bit KV cache on its side
-    ml = open_backend(path, "mlx", n_ctx=1024)
-    text = "\n\n".join([*PROMPTS, DEMO_PROMPT, *PROMPTS[::-1]])
-    ids = lc.tokenize(text)[:n_positions]
-    assert ml.tokenize(text)[:n_positions] == ids
-    agree, rel = 0, []
-    for s in range(0, len(ids), chunk):
-        a, b = lc.eval(ids[s:s + chunk], "all"), ml.eval(ids[s:s + chunk], "all")  # (rows, V)
-        agree += int((a.argmax(1) == b.argmax(1)).sum())
-        rel.extend(np.abs(a - b).max(1) / (a.max(1) - a.min(1)))
-    lc.close()
-    ml.close()
-    return agree / len(ids), np.array(rel), len(ids)
+def _logits(backend, ids: list[int], chunk: int = 64) -> np.ndarray:
+    out = np.concatenate([backend.eval(ids[s:s + chunk], "all") for s in range(0, len(ids), chunk)])
+    backend.close()
+    return out
+
+
+def _compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """(top-1 agreement, per-row max|Δ| / ref's logit range, flips outside near-ties)."""
+    diff = np.abs(ref - got).max(1)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    flips = ref.argmax(1) != got.argmax(1)
+    return 1 - flips.mean(), diff / (ref.max(1) - ref.min(1)), flips & (top2[:, 1] - top2[:, 0] > diff)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-@pytest.mark.slow
-def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path):
+def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path, tmp_path):
     path = {"smollm2": smollm2_path, "gemma3": gemma_q4_path}[name]
-    top1, rel, n = parity(path)
-    print(f"{name}: {n} positions, top-1 agreement {top1:.2%}, max|Δ|/range: median {np.median(rel):.4f}, "
-          f"p99 {np.quantile(rel, 0.99):.4f}, max {rel.max():.4f}")
-    assert n >= 500
-    assert top1 >= 0.99
-    assert rel.max() <= REL_TOL[name]
+    n_ctx = 1024
+    lc = open_backend(path, n_ctx=n_ctx, kv_type="f32")
+    text = "\n\n".join([*PROMPTS, DEMO_PROMPT] * 3)
+    ids = lc.tokenize(text)[:N_POSITIONS[name]]
+    ml = open_backend(path, "mlx", n_ctx=n_ctx)
+    assert len(ids) == N_POSITIONS[name] and ml.tokenize(text)[:len(ids)] == ids
+    quant, mlx = _logits(lc, ids), _logits(ml, ids)
+    f32 = _logits(open_backend(dequantize_gguf(path, tmp_path / "f32.gguf"), n_ctx=n_ctx, kv_type="f32"), ids)
+    own = _compare(f32, quant)[1].max()  # llama.cpp's quantized kernels against the same weights in F32
+    for ref_name, ref, tol in (("F32 copy", f32, F32_TOL[name]), ("quantized", quant, 1.25 * own)):
+        top1, rel, odd = _compare(ref, mlx)
+        print(f"{name} vs llama.cpp {ref_name}: {len(ids)} positions, top-1 {top1:.2%}, max|Δ|/range "
+              f"median {np.median(rel):.4f} max {rel.max():.4f} (limit {tol:.4f}), flips outside near-ties {odd.sum()}")
+        assert rel.max() <= tol
+        assert not odd.any()
+    assert _compare(f32, mlx)[0] >= 0.99
 
 
-@pytest.mark.slow
 def test_smollm2_ngram_greedy_equals_plain_on_mlx(smollm2_path):
     with edgespec.load(smollm2_path, drafter="ngram", backend="mlx", n_ctx=1024) as engine:
         accepted = 0

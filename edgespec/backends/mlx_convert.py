@@ -1,11 +1,13 @@
 """GGUF → MLX: a model directory mlx-lm loads (config.json + model.safetensors) plus tokenizer.gguf.
 
 Quantized weights stay quantized (MLX affine, group 32):
-- Q4_0 / Q4_1 / Q8_0 files load natively with `mx.load(path.gguf)`;
-- Q4_K blocks map exactly onto 4-bit group 32: 8 sub-blocks of 32 with scale d·sc and bias −dmin·m
-  (scales kept as float32, so no rounding at all); the nibbles are repacked;
-- any other quantized type (Q6_K, Q5_K, ...) is dequantized with the `gguf` package and re-quantized
-  to `bits` (8 by default): said per tensor in the report;
+- files of only Q4_0 / Q4_1 / Q8_0 (and float) tensors load natively with `mx.load(path.gguf)`;
+- in other files, Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q5_1 and Q5_K map exactly onto 4-, 5- and 8-bit
+  group 32: each 32-value group already is scale·q + bias (Q4_K: scale d·sc, bias −dmin·m; Q5_0:
+  d and −16·d; Q8_0: d and −128·d), with scales kept as float32, so there is no rounding at all;
+  the integers are repacked into MLX's bit stream;
+- any other quantized type (Q6_K with its 16-value groups, Q2_K, ...) is dequantized with the
+  `gguf` package and re-quantized to `bits` (8 by default): said per tensor in the report;
 - F32/F16/BF16 tensors stay float (float32).
 GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE: the config says
 rope_traditional=True instead of un-permuting. Gemma's GGUF norm weights carry +1 (llama.cpp's
@@ -30,7 +32,7 @@ import numpy as np
 from edgespec.errors import ModelLoadError
 
 GROUP = 32  # every GGUF block format maps onto MLX group size 32
-CONVERTER_VERSION = 1  # part of the cache key: bump when the output format changes
+CONVERTER_VERSION = 2  # part of the cache key: bump when the output format changes
 TOKENIZER_FILE = "tokenizer.gguf"
 REPORT_FILE = "edgespec-convert.json"
 _NATIVE = {"Q4_0", "Q4_1", "Q8_0"}  # mx.load reads these as MLX quantized arrays
@@ -131,29 +133,55 @@ def mlx_name(gguf_name: str, arch: str) -> str:
     raise ModelLoadError(f"cannot convert: unknown {arch} tensor {gguf_name!r}")
 
 
-def q4_k_to_affine(blocks: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K blocks (n, 144 bytes) of a (n_rows, n_cols) matrix → MLX affine 4-bit group-32 arrays.
+# Block formats whose 32-value groups are exactly MLX affine groups (value = scale·q + bias):
+# type → (bytes per block, bits per value). Others are dequantized and re-quantized.
+_AFFINE = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8), "Q5_0": (22, 5), "Q5_1": (24, 5),
+           "Q4_K": (144, 4), "Q5_K": (176, 5)}
+_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}  # x = d·(q − offset)
 
-    A block holds 256 values: f16 d and dmin, 12 bytes of 6-bit (sc, m) pairs for its 8 sub-blocks,
-    then 128 bytes where byte l of chunk c holds value l of sub-block 2c (low nibble) and of 2c+1
-    (high nibble). Value = d·sc·q − dmin·m, i.e. MLX's scale·q + bias with scale = d·sc, bias = −dmin·m.
 
-    Returns:
-        (packed uint32 (n_rows, n_cols/8), scales float32 (n_rows, n_cols/32), biases float32 (same)).
+def _group_scale_bias(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per 32-value group of each block: (scale, bias) as float32, each (n_blocks, groups per block).
+
+    Q4_0 / Q5_0 / Q8_0: x = d·(q − offset) (q stored signed in Q8_0); Q4_1 / Q5_1: x = d·q + m;
+    Q4_K / Q5_K: 8 sub-blocks with 6-bit (sc, m) pairs, x = d·sc·q − dmin·m.
     """
     from gguf.quants import Q4_K
 
-    n = blocks.shape[0]
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # (n, 8) each
-    scales = d * sc.astype(np.float32)
-    biases = -(dmin * m.astype(np.float32))
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
-    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)  # (n, 4, 2, 32)
-    q = q.reshape(-1, 8).astype(np.uint32)  # 8 consecutive values per word, the first in the low bits
-    packed = np.bitwise_or.reduce(q << (np.arange(8, dtype=np.uint32) * 4), axis=1)
-    return packed.reshape(n_rows, -1), scales.reshape(n_rows, -1), biases.reshape(n_rows, -1)
+    f16 = lambda a, b: blocks[:, a:b].copy().view(np.float16).astype(np.float32)  # noqa: E731
+    d = f16(0, 2)
+    if kind in _OFFSET:
+        return d, -float(_OFFSET[kind]) * d
+    if kind in ("Q4_1", "Q5_1"):
+        return d, f16(2, 4)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # Q5_K packs its scales like Q4_K
+    return d * sc.astype(np.float32), -(f16(2, 4) * m.astype(np.float32))
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned ints < 2**bits, (rows, cols) with cols % 32 == 0 → MLX's packing: one little-endian
+    bit stream per row (value i in bits [i·bits, (i+1)·bits)), as uint32 words (rows, cols·bits/32)."""
+    stream = (q[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
+    packed = np.packbits(stream.astype(np.uint8).reshape(q.shape[0], -1), axis=1, bitorder="little")
+    return packed.view("<u4")
+
+
+def affine_from_blocks(blocks: np.ndarray, kind: str, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks (n_blocks, block bytes) of a (n_rows, n_cols) matrix → MLX affine group-32 arrays,
+    exact: every group of the format already is scale·q + bias with integer q < 2**bits.
+
+    Returns:
+        (packed uint32 (n_rows, n_cols·bits/32), scales float32 (n_rows, n_cols/32), biases (same)).
+    """
+    from gguf.quants import dequantize
+
+    qtype = getattr(__import__("gguf").GGMLQuantizationType, kind)
+    bits = _AFFINE[kind][1]
+    x = dequantize(blocks, qtype).reshape(len(blocks), -1, GROUP)  # (n_blocks, groups, 32)
+    scale, bias = _group_scale_bias(blocks, kind)
+    safe = np.where(scale == 0, 1.0, scale)[..., None]
+    q = np.clip(np.rint((x - bias[..., None]) / safe), 0, 2**bits - 1).astype(np.uint32)
+    return pack_bits(q.reshape(n_rows, -1), bits), scale.reshape(n_rows, -1), bias.reshape(n_rows, -1)
 
 
 def _tensor_arrays(reader: Any, path: Path, arch: str, bits: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -175,10 +203,11 @@ def _tensor_arrays(reader: Any, path: Path, arch: str, bits: int) -> tuple[dict[
             out[base + ".scales"] = native[stem + ".scales"].astype(mx.float32)
             out[base + ".biases"] = native[stem + ".biases"].astype(mx.float32)
             how[name] = f"{kind.lower()} native ({32 * native[t.name].shape[-1] // int(t.shape[0])}-bit)"
-        elif kind == "Q4_K":
-            w, s, b = q4_k_to_affine(np.asarray(t.data).reshape(-1, 144), n_rows)
+        elif kind in _AFFINE:
+            blocks = np.asarray(t.data).reshape(-1, _AFFINE[kind][0])
+            w, s, b = affine_from_blocks(blocks, kind, n_rows)
             out[name], out[base + ".scales"], out[base + ".biases"] = mx.array(w), mx.array(s), mx.array(b)
-            how[name] = "q4_k → 4-bit (exact)"
+            how[name] = f"{kind.lower()} → {_AFFINE[kind][1]}-bit (exact)"
         else:
             x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
             x = x.reshape(tuple(int(d) for d in reversed(t.shape)))
@@ -217,7 +246,7 @@ def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: in
     Args:
         src: the GGUF file.
         out_dir: the directory to write (created; must not hold a model already).
-        bits: width for quantized types MLX cannot hold as they are (Q6_K, Q5_K, ...): 4 or 8.
+        bits: width for quantized types MLX cannot hold as they are (Q6_K, Q2_K, ...): 4 or 8.
         note: called with progress lines.
 
     Returns:
@@ -240,8 +269,11 @@ def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: in
     arch = meta.get("general.architecture", "?")
     config = mlx_config(meta, {t.name for t in reader.tensors})
     weights, how = _tensor_arrays(reader, src, arch, bits)
-    if any(k.endswith(".scales") for k in weights):
-        config["quantization"] = {"group_size": GROUP, "bits": 4}  # per tensor: inferred from the shapes
+    quantized = {k[:-len(".scales")]: weights[k[:-len(".scales")] + ".weight"] for k in weights if k.endswith(".scales")}
+    if quantized:  # a default, and every quantized module's own width (mlx-lm's per-layer entries)
+        config["quantization"] = {"group_size": GROUP, "bits": 4, **{
+            module: {"group_size": GROUP, "bits": 32 * w.shape[-1] // (weights[module + ".scales"].shape[-1] * GROUP)}
+            for module, w in quantized.items()}}
     conv = Conversion(out, arch, {k: v for k, v in how.items()})
     out.mkdir(parents=True, exist_ok=True)
     _mx().save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -22,6 +22,7 @@ import numpy as np
 from edgespec.backends.base import Backend
 
 CONTEXT_TOKENS = 64  # tokens in the cache while timing: a short prompt's worth
+SLOW_STEP_S = 0.02  # a first step slower than this (MLX on a small CPU): calibrate with 8 cached tokens
 
 
 @dataclass
@@ -80,10 +81,10 @@ def backend_version(backend: Backend) -> str:
 
 
 def profile_path(backend: Backend) -> Path | None:
-    """Where this backend's cost profile is cached (None for a model that is not a file)."""
+    """Where this backend's cost profile is cached (None for a model that is not on disk)."""
     from edgespec.models import model_key
 
-    if not Path(backend.path).is_file():
+    if not Path(backend.path).exists():  # a GGUF file, or an MLX model directory
         return None
     return cache_path(model_key(backend.path), backend.name, getattr(backend, "threads", 0), backend_version(backend))
 
@@ -102,15 +103,24 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
         return prof.t_forward_ms
     if note:
         note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
-    once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk)
-    per_repeat = len(ks) * (once[ks[0]] + once[ks[-1]]) / 2 / 1000  # T(k) is about linear in k
-    t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / max(per_repeat, 1e-6)))), chunk=chunk)
+    backend.truncate(0)
+    t0 = time.perf_counter()
+    backend.eval([1], rows="last")
+    slow = time.perf_counter() - t0 > SLOW_STEP_S  # a short context keeps the prefill affordable
+    context = 8 if slow else CONTEXT_TOKENS
+    once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk, context=context)
+    cost = np.interp(ks, [ks[0], ks[-1]], [once[ks[0]], once[ks[-1]]]) / 1000  # T(k) is about linear in k
+    if cost.sum() <= budget_s:
+        t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / cost.sum()))), chunk=chunk,
+                         context=context)
+    else:  # a slow backend (MLX on a small CPU): the two timings, interpolated; refined online
+        t = {k: float(c) * 1000 for k, c in zip(ks, cost)}
     t = {**(prof.t_forward_ms if prof else {}), **t}
     save_profile(path, backend, t_forward_ms=t)
     return t
 
 
-def exact_batch(backend: Backend, k_max: int = 16) -> int:
+def exact_batch(backend: Backend, k_max: int = 16, note: Callable[[str], None] | None = None) -> int:
     """The largest k ≤ k_max for which a k-token forward returns exactly the logits of k single-token
     steps (cached in the profile). Beyond it, verification would not see what plain decoding sees:
     llama.cpp's CPU K-quant matmuls switch kernels at 8 rows here (Gemma-270M Q4_K_M: Δ up to 1.4)."""
@@ -118,6 +128,9 @@ def exact_batch(backend: Backend, k_max: int = 16) -> int:
     prof = load_profile(path)
     if prof is not None and prof.exact_batch is not None:
         return prof.exact_batch
+    if note:
+        note(f"checking which verification batches of {Path(backend.path).name} give exactly the logits "
+             "of single steps (once per model)")
     best = k_max
     for seed in (0, 1):  # two contexts: a kernel switch can agree by chance on one
         n0 = max(1, min(CONTEXT_TOKENS * (seed + 1), backend.n_ctx - k_max))
@@ -153,10 +166,11 @@ def save_profile(path: Path | None, backend: Backend, **fields) -> None:
 
 
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
-                 progress: Callable[[int, int], None] | None = None, chunk: int | None = None) -> dict[int, float]:
-    """Median ms of a k-token forward (all k logit rows) after CONTEXT_TOKENS cached tokens, in
+                 progress: Callable[[int, int], None] | None = None, chunk: int | None = None,
+                 context: int = CONTEXT_TOKENS) -> dict[int, float]:
+    """Median ms of a k-token forward (all k logit rows) after `context` cached tokens, in
     forwards of at most `chunk` tokens."""
-    n0 = max(1, min(CONTEXT_TOKENS, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
+    n0 = max(1, min(context, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
     base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + max(ks))]
     backend.truncate(0)
     backend.eval(base[:n0], rows="none")
