@@ -98,8 +98,10 @@ class MlxBackend:
         self._mx = mx = import_mlx()
         from mlx_lm.utils import load_model
 
-        self.model_dir = mlx_model_dir(path, note=lambda line: print(line, file=sys.stderr))
-        self.path = str(Path(path).expanduser()) if Path(path).expanduser().exists() else str(self.model_dir)
+        from edgespec.models import resolve_model
+
+        self.path = str(resolve_model(str(path)))  # the GGUF file or MLX directory the user named
+        self.model_dir = mlx_model_dir(self.path, note=lambda line: print(line, file=sys.stderr))
         config = json.loads((self.model_dir / "config.json").read_text())
         self.model_type = str(config.get("model_type"))
         try:
