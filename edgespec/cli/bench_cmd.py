@@ -13,7 +13,8 @@ from edgespec.cli import ui
 
 
 def bench(
-    target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name.")] = "smollm2",
+    target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name (with "
+                                        "--backend mlx also an mlx-lm directory).")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
         "--drafter", help="Drafter config (repeatable): 'ngram' or a same-vocabulary GGUF path/name.")] = None,
     k: Annotated[list[str] | None, typer.Option(
@@ -26,6 +27,7 @@ def bench(
     per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category.")] = 3,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Plain/spec pairs per task and config.")] = 1,
+    backend: Annotated[str, typer.Option("--backend", help="Runtime: 'llama.cpp' or 'mlx'.")] = "llama.cpp",
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: up to 8).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", min=64, help="Context size in tokens.")] = 2048,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")] = Path("out/bench"),
@@ -59,11 +61,11 @@ def bench(
         raise EdgespecError("-k 0 is plain decoding, which bench always runs: use -k >= 1 or auto")
     configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
-    engine = Engine(open_backend(target, threads=threads, n_ctx=ctx))
+    engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx))
     drafters = {}
     try:
         for d in {c.drafter for c in configs}:
-            drafters[d] = engine.drafter = make_drafter(d, engine.target, threads=threads, n_ctx=ctx)
+            drafters[d] = engine.drafter = make_drafter(d, engine.target, backend, threads=threads, n_ctx=ctx)
             if "auto" in gammas:
                 engine.calibrate(note=ui.status)  # the scheduler's cost prior (cached profiles)
         chat = engine.target.metadata("tokenizer.chat_template") is not None
@@ -90,12 +92,15 @@ def bench(
             ui.interrupted()
             if not runs:
                 raise typer.Exit(130) from None
-        sha = {engine.target.path: model_sha256(engine.target.path)}
+        def sha256(path: str) -> str:
+            return model_sha256(path) if Path(path).is_file() else "(an MLX directory)"
+
+        sha = {engine.target.path: sha256(engine.target.path)}
         draft_ms = {}  # config label -> a draft model's ms per drafted token (its own T(1))
         for name, d in drafters.items():
             dm = getattr(d, "model", None)
             if dm is not None:
-                sha[dm.path] = model_sha256(dm.path)
+                sha[dm.path] = sha256(dm.path)
                 t1 = _cached_t1(profile_path(dm))
                 t1 = t1 if t1 is not None else time_forward(dm, [1], 5)[1]
                 draft_ms.update({c.label: t1 for c in configs if c.drafter == name})
