@@ -70,6 +70,15 @@ def eagle3_layer_ids(n_layer: int) -> tuple[int, int, int]:
 class ExtApi:
     """ctypes bindings of the llama-ext.h functions edgespec uses, by their mangled names."""
 
+    set_layer_inp: Any  # (ctx, lid, on) -> None
+    get_layer_inp: Any  # (ctx, lid) -> float* of n_batch × n_embd (rows of the last decode first)
+    set_nextn: Any  # (ctx, on, masked) -> None
+    get_nextn: Any  # (ctx) -> float*
+    get_nextn_ith: Any  # (ctx, i) -> float*
+    target_layer_ids: Any  # (model) -> int32*
+    target_layer_ids_n: Any  # (model) -> uint32
+    get_tok_embd: Any  # (model, float* or NULL) -> number of floats
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         import llama_cpp
 
