@@ -266,6 +266,7 @@ class LlamaCppBackend(_VocabCalls):
         cp.n_seq_max = 1
         cp.swa_full = True  # sliding-window caches (Gemma 3) must keep what rollback may return to
         cp.no_perf = True
+        self._configure_context(cp)
         for kv in ("q8_0", "f16") if kv_type == "auto" else (kv_type,):
             # Q8_0 needs head sizes divisible by its 32-value blocks; "auto" falls back to F16
             cp.type_k = cp.type_v = _KV_TYPES[kv]
@@ -283,6 +284,10 @@ class LlamaCppBackend(_VocabCalls):
         self.n_batch, self.threads = n_batch, threads
         self.n_ctx = ll.llama_n_ctx(self._ctx)
         self._n_past = 0
+
+    def _configure_context(self, cp: Any) -> None:
+        """Hook for subclasses: adjust llama_context_params after the model is loaded and before the
+        context is created (llama_features.LlamaFeatureBackend sets cb_eval here)."""
 
     @property
     def n_past(self) -> int:

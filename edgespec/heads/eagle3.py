@@ -1,0 +1,237 @@
+"""EAGLE-3 head: a numpy reference of llama.cpp's eagle3 architecture (src/models/eagle3.cpp, 0.3.36).
+
+Notation: H = head hidden size, H_t = target hidden size, V = target vocabulary, V_d = draft
+vocabulary. Weights are kept under their GGUF tensor names with numpy shape = reversed GGUF ne
+(``blk.0.attn_q.weight`` is (n_head·head_dim, 2H)), so no renaming table exists between this
+module, the GGUF file and llama.cpp.
+
+Encoder (one row per target position p): g_p = fc · f_p, with f_p = [h_low; h_mid; h_high] (3·H_t)
+the target features (``norm_before_fc``: f_p is RMS-normed and scaled by enc.output_norm first).
+
+Decoder at head position P takes the pair (t_{P+1}, g_P) and predicts t_{P+2}:
+  e = RMSNorm(E[t_{P+1}]) · attn_norm, n = RMSNorm(g_P) · attn_norm_2       (E: the target's
+  x = [e; n] (2H) → q, k, v; RoPE at P (ggml mode 0, adjacent pairs);        token embeddings
+  causal attention over the head's own KV cache (positions 0..P);           unless the head
+  r = attn · wo + g_P (``norm_before_residual``: + n); h = r + FFN(RMSNorm(r)·ffn_norm)   has its own)
+  logits over V_d = output · (RMSNorm(h) · output_norm), scattered to V by d2t (others −inf).
+The pre-norm h is the next g when the head drafts on from its own output (common/speculative.cpp).
+
+As in llama.cpp, the decoder needs H == H_t when it borrows the target's token embeddings.
+GGUF Q/K rows are in ggml's interleaved-RoPE order: weights trained here keep that convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+BLK = "blk.0."
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Hyperparameters of an EAGLE-3 head (the eagle3.* keys of its GGUF)."""
+
+    n_embd: int  # H
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_embd_tgt: int  # H_t
+    target_layers: tuple[int, ...]  # 3 target layer ids (features = input of each layer)
+    n_vocab: int  # V: the target's vocabulary
+    n_draft_vocab: int  # V_d (== V when the head has no d2t)
+    head_dim: int = 0  # 0: n_embd // n_head
+    rms_eps: float = 1e-5
+    rope_base: float = 10000.0
+    n_rot: int = 0  # 0: head_dim
+    context_length: int = 2048
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("rms_eps", "rope_base"):  # stored as GGUF float32: keep round trips exact
+            object.__setattr__(self, name, float(np.float32(getattr(self, name))))
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
+        if self.n_rot == 0:
+            object.__setattr__(self, "n_rot", self.head_dim)
+        if len(self.target_layers) != 3:
+            raise ValueError(f"EAGLE-3 needs exactly 3 target layers (got {self.target_layers})")
+        if self.n_head % self.n_head_kv or self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise ValueError(f"bad attention shape: n_head={self.n_head} n_head_kv={self.n_head_kv} "
+                             f"head_dim={self.head_dim} n_rot={self.n_rot}")
+        if not 0 < self.n_draft_vocab <= self.n_vocab:
+            raise ValueError(f"n_draft_vocab must be in 1..n_vocab={self.n_vocab} (got {self.n_draft_vocab})")
+
+    def shapes(self, own_embd: bool = False) -> dict[str, tuple[int, ...]]:
+        """GGUF tensor name → numpy shape of every tensor the head carries (d2t only if V_d < V)."""
+        H, qd, kvd = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        s: dict[str, tuple[int, ...]] = {"fc.weight": (H, 3 * self.n_embd_tgt)}
+        if self.norm_before_fc:
+            s["enc.output_norm.weight"] = (3 * self.n_embd_tgt,)
+        s |= {BLK + "attn_norm.weight": (H,), BLK + "attn_norm_2.weight": (H,),
+              BLK + "attn_q.weight": (qd, 2 * H), BLK + "attn_k.weight": (kvd, 2 * H),
+              BLK + "attn_v.weight": (kvd, 2 * H), BLK + "attn_output.weight": (H, qd),
+              BLK + "ffn_norm.weight": (H,), BLK + "ffn_gate.weight": (self.n_ff, H),
+              BLK + "ffn_up.weight": (self.n_ff, H), BLK + "ffn_down.weight": (H, self.n_ff),
+              "output_norm.weight": (H,), "output.weight": (self.n_draft_vocab, H)}
+        if self.n_draft_vocab < self.n_vocab:
+            s["d2t"] = (self.n_draft_vocab,)
+        if own_embd:
+            s["token_embd.weight"] = (self.n_vocab, H)
+        return s
+
+    def check_tensors(self, tensors: Mapping[str, npt.NDArray]) -> None:
+        """ValueError naming the first missing, unknown or misshapen tensor."""
+        want = self.shapes(own_embd="token_embd.weight" in tensors)
+        for name, shape in want.items():
+            if name not in tensors:
+                raise ValueError(f"EAGLE-3 head lacks tensor {name} {shape}")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        extra = sorted(set(tensors) - set(want))
+        if extra:
+            raise ValueError(f"unknown EAGLE-3 tensors: {', '.join(extra)}")
+        if "d2t" in tensors:
+            d2t = np.asarray(tensors["d2t"])
+            if d2t.min() < 0 or d2t.max() >= self.n_vocab or len(np.unique(d2t)) != len(d2t):
+                raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
+
+
+def random_tensors(config: Eagle3Config, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
+                   std: float = 1.0) -> dict[str, npt.NDArray]:
+    """A randomly initialised head: norms = 1, matrices ~ N(0, std²/fan_in), d2t = ``d2t`` or the
+    first V_d target ids."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, npt.NDArray] = {}
+    for name, shape in config.shapes().items():
+        if name == "d2t":
+            out[name] = np.arange(config.n_draft_vocab, dtype=np.int64) if d2t is None else np.asarray(d2t, np.int64)
+        elif len(shape) == 1:
+            out[name] = np.ones(shape, np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std / np.sqrt(shape[1])))
+    return out
+
+
+def rms_norm(x: F32, weight: F32, eps: float) -> F32:
+    """ggml_rms_norm then × weight, over the last axis."""
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight).astype(np.float32)
+
+
+def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
+    """ggml_rope_ext in mode 0 (LLAMA_ROPE_TYPE_NORM): rotate adjacent pairs (x[2i], x[2i+1]) by
+    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * i / n_rot)  # (n, n_rot/2)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.astype(np.float64).copy()
+    x0, x1 = out[..., 0:n_rot:2].copy(), out[..., 1:n_rot:2].copy()
+    out[..., 0:n_rot:2] = x0 * cos - x1 * sin
+    out[..., 1:n_rot:2] = x0 * sin + x1 * cos
+    return out.astype(np.float32)
+
+
+def causal_attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64]) -> F32:
+    """softmax(q·kᵀ/√d) · v with each query seeing keys at positions ≤ its own; GQA: query head h
+    reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
+    n, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    kh = np.repeat(k.astype(np.float64), group, axis=1)  # (m, n_head, d)
+    vh = np.repeat(v.astype(np.float64), group, axis=1)
+    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) / np.sqrt(d)
+    s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
+
+
+def silu(x: F32) -> F32:
+    return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+class Eagle3Head:
+    """The EAGLE-3 head in numpy, with its own KV cache (positions 0..n_past-1, appended in order).
+
+    Args:
+        config: hyperparameters.
+        tensors: GGUF tensor name → array (see ``Eagle3Config.shapes``); ``d2t`` int64.
+        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
+            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
+    """
+
+    def __init__(self, config: Eagle3Config, tensors: Mapping[str, npt.NDArray],
+                 tok_embd: F32 | None = None) -> None:
+        config.check_tensors(tensors)
+        self.config = config
+        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
+                        for k, v in tensors.items()}
+        embd = self.tensors.get("token_embd.weight", tok_embd)
+        if embd is None or embd.shape != (config.n_vocab, config.n_embd):
+            got = None if embd is None else embd.shape
+            raise ValueError(f"the head needs token embeddings of shape {(config.n_vocab, config.n_embd)} "
+                             f"(its own or the target's; got {got})")
+        self.tok_embd = np.asarray(embd, np.float32)
+        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
+        self._k = np.empty((0, config.n_head_kv, config.head_dim), np.float32)  # (positions, kv heads, d)
+        self._v = np.empty((0, config.n_head_kv, config.head_dim), np.float32)
+
+    @property
+    def n_past(self) -> int:
+        """Positions in the head's KV cache."""
+        return len(self._k)
+
+    def truncate(self, n_past: int) -> None:
+        """Drop the KV entries of positions ≥ n_past."""
+        self._k, self._v = self._k[:n_past], self._v[:n_past]
+
+    def encode(self, features: F32) -> F32:
+        """fc over target features: (n, 3·H_t) → g (n, H)."""
+        c, t = self.config, self.tensors
+        f = np.asarray(features, np.float32)
+        if f.ndim != 2 or f.shape[1] != 3 * c.n_embd_tgt:
+            raise ValueError(f"features must be (n, {3 * c.n_embd_tgt}) (got {f.shape})")
+        if c.norm_before_fc:
+            f = rms_norm(f, t["enc.output_norm.weight"], c.rms_eps)
+        return (f.astype(np.float64) @ t["fc.weight"].T.astype(np.float64)).astype(np.float32)
+
+    def decode(self, tokens: Sequence[int], g: F32) -> tuple[F32, F32]:
+        """Run the decoder on pairs (tokens[i], g[i]) at positions n_past+i and append their KV.
+
+        Args:
+            tokens: the token after each g's position (t_{P+1}), target ids.
+            g: (n, H): encoder outputs, or the head's own previous pre-norm outputs.
+
+        Returns:
+            (logits, h): logits (n, V) float32 with −inf outside the draft vocabulary, and the
+            pre-norm hidden states h (n, H) that feed the next drafting step.
+        """
+        c, t = self.config, self.tensors
+        g = np.asarray(g, np.float32)
+        n = len(tokens)
+        if g.shape != (n, c.n_embd):
+            raise ValueError(f"g must be ({n}, {c.n_embd}) for {n} tokens (got {g.shape})")
+        pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
+        e = rms_norm(self.tok_embd[np.asarray(tokens, np.int64)], t[BLK + "attn_norm.weight"], c.rms_eps)
+        gn = rms_norm(g, t[BLK + "attn_norm_2.weight"], c.rms_eps)
+        x = np.concatenate([e, gn], axis=1).astype(np.float64)  # (n, 2H)
+        q = (x @ t[BLK + "attn_q.weight"].T).astype(np.float32).reshape(n, c.n_head, c.head_dim)
+        k = (x @ t[BLK + "attn_k.weight"].T).astype(np.float32).reshape(n, c.n_head_kv, c.head_dim)
+        v = (x @ t[BLK + "attn_v.weight"].T).astype(np.float32).reshape(n, c.n_head_kv, c.head_dim)
+        q, k = rope_norm(q, pos, c.n_rot, c.rope_base), rope_norm(k, pos, c.n_rot, c.rope_base)
+        self._k, self._v = np.concatenate([self._k, k]), np.concatenate([self._v, v])
+        kpos = np.arange(self.n_past, dtype=np.int64)
+        a = causal_attention(q, self._k, self._v, pos, kpos)
+        r = (a.astype(np.float64) @ t[BLK + "attn_output.weight"].T + (gn if c.norm_before_residual else g)).astype(np.float32)
+        y = rms_norm(r, t[BLK + "ffn_norm.weight"], c.rms_eps).astype(np.float64)
+        ff = silu((y @ t[BLK + "ffn_gate.weight"].T).astype(np.float32)) * (y @ t[BLK + "ffn_up.weight"].T)
+        h = (ff.astype(np.float64) @ t[BLK + "ffn_down.weight"].T + r).astype(np.float32)
+        z = rms_norm(h, t["output_norm.weight"], c.rms_eps).astype(np.float64) @ t["output.weight"].T  # (n, V_d)
+        logits = np.full((n, c.n_vocab), -np.inf, np.float32)
+        logits[:, self.d2t] = z.astype(np.float32)
+        return logits, h

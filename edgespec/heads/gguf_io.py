@@ -1,0 +1,238 @@
+"""GGUF files for heads: a lean reader (metadata + tensors) and llama.cpp's EAGLE-3 layout.
+
+The reader walks the header with ``struct`` and maps tensor data with numpy: ``gguf.GGUFReader``
+builds a Python object per vocabulary entry (3.5 s on SmolLM2's tokenizer, which every head file
+carries); this reads the same file in a fraction of that. Tensors are dequantized with
+``gguf.quants.dequantize``.
+
+EAGLE-3 layout (vendored llama.cpp 0.3.36: src/models/eagle3.cpp, src/llama-arch.cpp,
+conversion/llama.py): architecture ``eagle3``; keys ``eagle3.target_layers`` (INT32 array of 3),
+``eagle3.target_hidden_size`` (UINT32), optional ``eagle3.norm_before_residual`` /
+``eagle3.norm_before_fc`` (BOOL) plus the usual llama hyperparameters under ``eagle3.*``; tensors
+``fc.weight``, ``blk.0.{attn_norm,attn_norm_2,attn_q,attn_k,attn_v,attn_output,ffn_norm,ffn_gate,
+ffn_up,ffn_down}.weight``, ``output_norm.weight``, ``output.weight``, ``d2t`` (I64: absolute target
+token id of each draft id), optional ``enc.output_norm.weight`` and ``token_embd.weight``. The file
+carries the target's ``tokenizer.*`` metadata (llama.cpp needs the vocabulary: the d2t scatter is
+``n_vocab`` wide, and its draft/target compatibility check compares vocabularies).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.heads.eagle3 import Eagle3Config
+
+ARCH = "eagle3"
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's metadata and tensors, with the data memory-mapped (valid while open)."""
+
+    path: Path
+    kv: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]  # key → (value, type, sub-type)
+    tensors: dict[str, tuple[gguf.GGMLQuantizationType, tuple[int, ...], npt.NDArray[np.uint8]]] = field(
+        default_factory=dict)  # name → (type, numpy shape = reversed ne, raw bytes)
+
+    def value(self, key: str, default: Any = None) -> Any:
+        return self.kv[key][0] if key in self.kv else default
+
+    def tensor(self, name: str) -> npt.NDArray[Any]:
+        """Tensor ``name`` as float32 (dequantized), or int64/int32 for integer tensors."""
+        qtype, shape, raw = self.tensors[name]
+        if qtype in (gguf.GGMLQuantizationType.I64, gguf.GGMLQuantizationType.I32):
+            return raw.view(np.int64 if qtype == gguf.GGMLQuantizationType.I64 else np.int32).reshape(shape).copy()
+        rows = raw.reshape(-1, raw.size // max(1, int(np.prod(shape[:-1])))) if len(shape) > 1 else raw[None]
+        return np.asarray(gguf.quants.dequantize(rows, qtype), np.float32).reshape(shape).copy()
+
+
+def read_gguf(path: str | Path, keep_key: Callable[[str], bool] = lambda k: True,
+              with_tensors: bool = True) -> GGUFFile:
+    """Read a GGUF file: values of the keys ``keep_key`` accepts (others are skipped), tensor infos
+    and (``with_tensors``) the tensor bytes. Raises ValueError on a non-GGUF or truncated file."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+        pos = 24
+
+        def value(vtype: int, keep: bool) -> Any:
+            nonlocal pos
+            if vtype == _STRING:
+                (n,) = struct.unpack_from("<Q", mm, pos)
+                pos += 8 + n
+                return mm[pos - n:pos].decode("utf-8", "replace") if keep else None
+            if vtype == _ARRAY:
+                sub, n = struct.unpack_from("<IQ", mm, pos)
+                pos += 12
+                if sub != _STRING and not keep:
+                    pos += n * struct.calcsize(_SCALAR[sub])
+                    return None
+                return [value(sub, keep) for _ in range(n)]
+            (v,) = struct.unpack_from(_SCALAR[vtype], mm, pos)
+            pos += struct.calcsize(_SCALAR[vtype])
+            return v
+
+        kv: dict[str, Any] = {}
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            key = mm[pos + 8:pos + 8 + n].decode()
+            (vtype,) = struct.unpack_from("<I", mm, pos + 8 + n)
+            pos += 12 + n
+            sub = struct.unpack_from("<I", mm, pos)[0] if vtype == _ARRAY else None
+            keep = keep_key(key) or key == "general.alignment"
+            v = value(vtype, keep)
+            if keep:
+                kv[key] = (v, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub) if sub is not None else None)
+        infos = []
+        for _ in range(n_tensors):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            name = mm[pos + 8:pos + 8 + n].decode()
+            pos += 8 + n
+            (n_dims,) = struct.unpack_from("<I", mm, pos)
+            ne = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+            qtype, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, gguf.GGMLQuantizationType(qtype), tuple(reversed(ne)), offset))
+        align = kv.get("general.alignment", (32,))[0]
+        data_start = -(-pos // align) * align
+        out = GGUFFile(path, kv)
+        if with_tensors:
+            buf = np.frombuffer(mm, np.uint8)
+            for name, qtype, shape, offset in infos:
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                nbytes = int(np.prod(shape)) // block * type_size
+                start = data_start + offset
+                if start + nbytes > len(buf):
+                    raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + nbytes} of {len(buf)}")
+                out.tensors[name] = (qtype, shape, buf[start:start + nbytes])
+        return out
+    except struct.error as e:
+        raise ValueError(f"{path}: corrupt or truncated GGUF header ({e})") from e
+
+
+def tokenizer_fields(target: str | Path) -> dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+    """Every ``tokenizer.*`` key of a target GGUF, to copy into a head file."""
+    f = read_gguf(target, lambda k: k.startswith("tokenizer."), with_tensors=False)
+    if "tokenizer.ggml.tokens" not in f.kv:
+        raise ValueError(f"{target} has no tokenizer.ggml.tokens: not a usable vocabulary source")
+    return {k: v for k, v in f.kv.items() if k.startswith("tokenizer.")}
+
+
+# Weight types a head can be written in (1-D tensors, d2t and rows that Q8_0 cannot block stay as they are).
+WEIGHT_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+                "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def write_eagle3_gguf(path: str | Path, config: Eagle3Config, tensors: Mapping[str, npt.NDArray[Any]], *,
+                      vocab_source: str | Path, weight_type: str = "f16", name: str = "edgespec eagle3 head",
+                      extra_kv: Mapping[str, str] | None = None) -> Path:
+    """Write an EAGLE-3 head in llama.cpp's layout.
+
+    Args:
+        path: output file.
+        config: the head's hyperparameters.
+        tensors: GGUF tensor name → array (numpy shape = reversed GGUF ne; ``d2t`` int64), as
+            ``Eagle3Head.tensors`` holds them.
+        vocab_source: the target GGUF; its ``tokenizer.*`` metadata is copied.
+        weight_type: "f16", "q8_0" or "f32" for the 2-D weights; norms stay F32, d2t I64. A Q8_0
+            matrix whose rows are not a multiple of 32 values is written as F16.
+        name: general.name.
+        extra_kv: extra string metadata (e.g. ``edgespec.head.*`` provenance).
+
+    Returns:
+        ``path`` as a Path.
+    """
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)} (got {weight_type!r})")
+    config.check_tensors(tensors)
+    path = Path(path)
+    tok = tokenizer_fields(vocab_source)
+    n_vocab = len(tok["tokenizer.ggml.tokens"][0])
+    if n_vocab != config.n_vocab:
+        raise ValueError(f"{vocab_source} has {n_vocab} tokens but the head's config says n_vocab={config.n_vocab}")
+    qtype = WEIGHT_TYPES[weight_type]
+    w = gguf.GGUFWriter(path, ARCH)
+    w.add_name(name)
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[weight_type])
+    w.add_context_length(config.context_length)
+    w.add_embedding_length(config.n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(config.n_ff)
+    w.add_head_count(config.n_head)
+    w.add_head_count_kv(config.n_head_kv)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_eps)
+    w.add_rope_freq_base(config.rope_base)
+    w.add_rope_dimension_count(config.n_rot)
+    w.add_vocab_size(config.n_vocab)
+    w.add_key_value(f"{ARCH}.target_layers", list(config.target_layers), gguf.GGUFValueType.ARRAY,
+                    gguf.GGUFValueType.INT32)
+    w.add_uint32(f"{ARCH}.target_hidden_size", config.n_embd_tgt)
+    w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
+    w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
+    for key, (value, vtype, sub) in tok.items():
+        w.add_key_value(key, value, vtype, sub)
+    for key, text in (extra_kv or {}).items():
+        w.add_string(key, text)
+    for tname, arr in tensors.items():
+        if tname == "d2t":
+            w.add_tensor(tname, np.ascontiguousarray(arr, np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+            continue
+        arr = np.ascontiguousarray(arr, np.float32)
+        t = qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if t == gguf.GGMLQuantizationType.Q8_0 and arr.shape[-1] % 32:
+            t = gguf.GGMLQuantizationType.F16
+        data = gguf.quants.quantize(arr, t)
+        w.add_tensor(tname, data, raw_dtype=t if data.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def read_eagle3_gguf(path: str | Path) -> tuple[Eagle3Config, dict[str, npt.NDArray[Any]]]:
+    """Read an EAGLE-3 head written in llama.cpp's layout: its config and its tensors (float32,
+    d2t int64). Raises ValueError if the file is not an eagle3 GGUF."""
+    f = read_gguf(path, lambda k: not k.startswith("tokenizer.") or k == "tokenizer.ggml.tokens")
+    arch = f.value("general.architecture")
+    if arch != ARCH:
+        raise ValueError(f"{path} is not an EAGLE-3 head (general.architecture={arch!r})")
+
+    def key(k: str, default: Any = None) -> Any:
+        v = f.value(f"{ARCH}.{k}", default)
+        if v is None:
+            raise ValueError(f"{path} lacks {ARCH}.{k}")
+        return v
+
+    n_head = int(key("attention.head_count"))
+    n_embd = int(key("embedding_length"))
+    tensors = {name: f.tensor(name) for name in f.tensors}
+    n_vocab = f.value(f"{ARCH}.vocab_size") or len(f.value("tokenizer.ggml.tokens", []))
+    config = Eagle3Config(
+        n_embd=n_embd, n_head=n_head, n_head_kv=int(key("attention.head_count_kv", n_head)),
+        n_ff=int(key("feed_forward_length")), n_embd_tgt=int(key("target_hidden_size")),
+        target_layers=tuple(int(x) for x in key("target_layers")), n_vocab=int(n_vocab),
+        n_draft_vocab=len(tensors["d2t"]) if "d2t" in tensors else int(n_vocab),
+        head_dim=int(key("attention.key_length", n_embd // n_head)),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")), rope_base=float(key("rope.freq_base", 10000.0)),
+        n_rot=int(key("rope.dimension_count", n_embd // n_head)), context_length=int(key("context_length")),
+        norm_before_residual=bool(key("norm_before_residual", False)), norm_before_fc=bool(key("norm_before_fc", False)))
+    config.check_tensors(tensors)
+    return config, tensors
