@@ -67,10 +67,12 @@ def test_greedy_spec_equals_plain_on_reference(gamma, request, monkeypatch):
     assert 0.3 * drafted < accepted < drafted  # measured: γ=1 0.47 (243 of 521), γ=3 0.40 (414 of 1035)
 
 
+@pytest.mark.slow
 def test_sampled_spec_with_eagle_matches_target_distribution():
     """The TV test of test_lossless_reference.py with the EAGLE drafter in the loop: a noisy head
     whose q is zero on one token the target does sample, so residual sampling is exercised.
-    40k draws: expected TV of the empirical marginals ≈ 0.004, the 0.01 bound ≈ 6σ away."""
+    40k draws (~40 s: the numpy head costs ~0.1 ms per call); expected TV of the empirical
+    marginals ≈ 0.004, the 0.01 bound ≈ 6σ away."""
     target, drafter = _reference(noise=0.5)
     prompt, n_pos, draws = target.tokenize("abcabcab"), 4, 40_000
     exact, _ = _exact_marginals(target, prompt, SAMPLED, n_pos)
@@ -144,6 +146,18 @@ def test_confidence_q_rows_and_stop():
     assert g.q is None and len(g.tokens) == 3 and g.tokens[0] == int(np.argmax(first))
     p = np.exp(first - first.max())
     assert g.confidence[0] == pytest.approx(p.max() / p.sum())
+
+
+def test_timing_a_chain_step_leaves_the_head_cache_alone():
+    target, drafter = _reference()
+    ctx = target.tokenize("cabbed")
+    target.eval(ctx[:-1], rows="none")
+    before, _ = drafter.sync(ctx)
+    k = drafter.head._k.copy()
+    assert drafter.measure_ms_per_token(repeats=3) > 0
+    assert drafter.head.n_past == len(ctx) - 1 and np.array_equal(drafter.head._k, k)
+    d = drafter.draft(ctx, 2, GREEDY, np.random.default_rng(0))
+    assert d.synced == 0 and d.tokens[0] == int(np.argmax(before))
 
 
 def test_nothing_to_draft_from_a_one_token_context():
