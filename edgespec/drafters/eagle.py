@@ -93,7 +93,8 @@ class EagleDrafter:
             if a != b:
                 break
             common += 1
-        n_keep = max(0, min(common - 1, n - 2))  # unchanged pairs; the last is redone for fresh logits
+        # unchanged pairs (never more than the head holds); the last is redone for fresh logits
+        n_keep = max(0, min(common - 1, n - 2, self.head.n_past))
         self.head.truncate(n_keep)
         self._ctx = list(context[: n_keep + 1])
         g = self.head.encode(self.target.features(n_keep, n - 1))  # (n-1-n_keep, H)
