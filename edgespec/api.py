@@ -43,7 +43,9 @@ def load(
     Args:
         target: GGUF path or known model name (see `edgespec models list`), or an mlx-lm model directory
             with backend="mlx"; default SmolLM2-135M-Instruct.
-        drafter: None (plain decoding), "ngram" (prompt lookup), or a same-vocabulary GGUF path/name.
+        drafter: None (plain decoding), "ngram" (prompt lookup), a same-vocabulary GGUF path/name, or
+            an EAGLE-3 head GGUF (general.architecture "eagle3"; llama.cpp backend only): the target
+            is then opened to capture the hidden states the head reads.
         backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
             model runs on the same backend).
         n_ctx: context size in tokens (target and draft model).
@@ -56,10 +58,16 @@ def load(
     Returns:
         An Engine (use it as a context manager, or call close()).
     """
+    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
     from edgespec.models import DEFAULT_TARGET
 
     options = dict(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
-    tgt = open_backend(target or DEFAULT_TARGET, backend, **options)
+    head = drafter is not None and is_eagle3_head(drafter)
+    if head and backend == "mlx":
+        raise EdgespecError(f"{drafter} is an EAGLE-3 head: heads run only on the llama.cpp backend for now "
+                            f"(MLX target features are not built yet)")
+    tgt = (open_eagle3_target(target or DEFAULT_TARGET, drafter, **options) if head  # type: ignore[arg-type]
+           else open_backend(target or DEFAULT_TARGET, backend, **options))
     try:
         return Engine(tgt, make_drafter(drafter, tgt, backend, **options), num_draft=num_draft)
     except BaseException:
@@ -69,7 +77,8 @@ def load(
 
 def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str = "llama.cpp",
                  **options) -> Drafter | None:
-    """None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → prompt lookup; else a draft model."""
+    """None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → prompt lookup; an EAGLE-3 head
+    GGUF → EagleDrafter (the target must capture its features: see `load`); else a draft model."""
     if spec is None or str(spec).lower() == "none":
         return None
     text = str(spec)
@@ -78,6 +87,10 @@ def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str =
 
         sizes = [int(s) for s in text.split(":")[1:]]
         return NgramDrafter(*sizes)
+    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_drafter
+
+    if is_eagle3_head(text):
+        return open_eagle3_drafter(text, target, threads=options.get("threads"))
     from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 
     model = open_backend(text, backend, **options)

@@ -174,6 +174,9 @@ class Engine:
             reset = getattr(self.drafter, "reset", None)
             if reset is not None:
                 reset()  # timing used the draft model's KV cache
+        measure = getattr(self.drafter, "measure_ms_per_token", None)  # a feature head times its chain step
+        if measure is not None and self.drafter not in self._draft_ms:
+            self._draft_ms[self.drafter] = measure()
 
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""

@@ -41,9 +41,10 @@ def _tokenizer_fields(vocab_source: Path) -> tuple[tuple[str, Any, gguf.GGUFValu
 OUTPUT_STD = 0.5
 
 
-def _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output):
+def _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output, layer_scale=1.0):
     """(name, numpy shape, init std) in a fixed order; numpy shape = reversed GGUF ne; std 0 = ones."""
     head_dim = n_embd // n_head
+    s = layer_scale
     specs = [("token_embd.weight", (n_vocab, n_embd), 1.0)]
     for i in range(n_layer):
         b = f"blk.{i}."
@@ -52,11 +53,11 @@ def _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output
             (b + "attn_q.weight", (n_head * head_dim, n_embd), n_embd**-0.5),
             (b + "attn_k.weight", (n_head_kv * head_dim, n_embd), n_embd**-0.5),
             (b + "attn_v.weight", (n_head_kv * head_dim, n_embd), n_embd**-0.5),
-            (b + "attn_output.weight", (n_embd, n_head * head_dim), (n_head * head_dim) ** -0.5),
+            (b + "attn_output.weight", (n_embd, n_head * head_dim), s * (n_head * head_dim) ** -0.5),
             (b + "ffn_norm.weight", (n_embd,), 0.0),
             (b + "ffn_gate.weight", (n_ff, n_embd), n_embd**-0.5),
             (b + "ffn_up.weight", (n_ff, n_embd), n_embd**-0.5),
-            (b + "ffn_down.weight", (n_embd, n_ff), n_ff**-0.5),
+            (b + "ffn_down.weight", (n_embd, n_ff), s * n_ff**-0.5),
         ]
     specs.append(("output_norm.weight", (n_embd,), 0.0))
     if not tied_output:
@@ -90,6 +91,7 @@ def build_tiny_llama(
     chat_template: str | None = None,
     context_length: int = 2048,
     tied_output: bool = False,
+    layer_scale: float = 1.0,
 ) -> Path:
     """Write a random-weight llama GGUF (all f32) with ``vocab_source``'s tokenizer.
 
@@ -108,6 +110,9 @@ def build_tiny_llama(
         context_length: ``llama.context_length``.
         tied_output: no ``output.weight`` (LM head = token_embd). Such random models mostly repeat
             their input token, so greedy decoding with them is degenerate; use only to test tying.
+        layer_scale: scales the init std of attn_output and ffn_down, i.e. how much each layer adds
+            to the residual stream (small: the next token depends mostly on the current one, which
+            a hand-fitted EAGLE-3 head can learn; see tests/eagle_fixtures.py).
 
     Returns:
         ``path`` as a Path.
@@ -117,7 +122,7 @@ def build_tiny_llama(
         raise ValueError(f"n_embd {n_embd} / n_head {n_head} / n_head_kv {n_head_kv} do not divide")
     tok_fields = _tokenizer_fields(Path(vocab_source))
     n_vocab = next(len(v) for k, v, *_ in tok_fields if k == "tokenizer.ggml.tokens")
-    specs = _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output)
+    specs = _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output, layer_scale)
     if perturb > 0:
         weights = _weights(specs, seed if base_seed is None else base_seed)
         noise_rng = np.random.default_rng([seed, 0x5EED])

@@ -88,6 +88,14 @@ def test_llama_head_equals_numpy_head_through_a_speculative_cycle(tiny, exact: b
             ref.truncate(keep)
             head.truncate(keep)
             assert head.n_past == keep
+            # encoding after decoding: llama.cpp requires the encoder batch to continue the KV positions
+            np.testing.assert_allclose(head.encode(feats[-3:]), ref.encode(feats[-3:]), rtol=0, atol=1e-5)
+            lr, hr = ref.decode(TOKENS[-2:], g_ref[-2:], rows="last")
+            lq, hq = head.decode(TOKENS[-2:], g_ll[-2:], rows="last")
+            assert lr.shape == lq.shape == (1, N_VOCAB) and hq.shape == (1, 64)
+            _finite_close(lq, lr, atol)
+            ref.truncate(keep)
+            head.truncate(keep)
             again = chain(first[1], g_ref[-1:], g_ll[-1:], 3)
             assert len(again) == 3
 

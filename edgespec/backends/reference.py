@@ -84,3 +84,31 @@ class ReferenceBackend:
 
     def close(self) -> None:
         self._tokens = []
+
+
+class ReferenceFeatureBackend(ReferenceBackend):
+    """A ReferenceBackend that also keeps "target features" for feature-head drafters (EAGLE-3).
+
+    Row p of `features()` belongs to the token at position p: three blocks of n_vocab + 1 values,
+    [one-hot of c_p; one-hot of c_{p-1} (index n_vocab: no token); next_logits(c_0..c_p), 0], i.e.
+    everything the next-token distribution depends on, so that a head can be built by hand.
+    """
+
+    feature_layers = (1, 2, 3)  # nominal: three blocks, as EAGLE-3 reads three layers
+
+    def __init__(self, n_vocab: int = 8, seed: int = 0, **kwargs) -> None:
+        super().__init__(n_vocab, seed, **kwargs)
+        self.n_embd = n_vocab + 1  # H_t, the width of one block
+
+    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]:
+        """Features of positions [start, stop) (default: all n_past): (stop - start, 3 · (n_vocab + 1))."""
+        stop = self.n_past if stop is None else stop
+        if not 0 <= start <= stop <= self.n_past:
+            raise IndexError(f"feature rows [{start}, {stop}) outside the {self.n_past} evaluated")
+        w = self.n_embd
+        out = np.zeros((stop - start, 3 * w), np.float32)
+        for r, p in enumerate(range(start, stop)):
+            out[r, self._tokens[p]] = 1.0
+            out[r, w + (self._tokens[p - 1] if p > 0 else self.n_vocab)] = 1.0
+            out[r, 2 * w:2 * w + self.n_vocab] = self.next_logits(self._tokens[: p + 1])
+        return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -186,6 +187,19 @@ class Eagle3Head:
         """Positions in the head's KV cache."""
         return len(self._k)
 
+    @property
+    def n_embd(self) -> int:
+        """H, the width of g and h (LlamaEagle3Head has the same attributes)."""
+        return self.config.n_embd
+
+    @property
+    def n_embd_tgt(self) -> int:
+        return self.config.n_embd_tgt
+
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
     def truncate(self, n_past: int) -> None:
         """Drop the KV entries of positions ≥ n_past."""
         self._k, self._v = self._k[:n_past], self._v[:n_past]
@@ -200,16 +214,17 @@ class Eagle3Head:
             f = rms_norm(f, t["enc.output_norm.weight"], c.rms_eps)
         return (f.astype(np.float64) @ t["fc.weight"].T.astype(np.float64)).astype(np.float32)
 
-    def decode(self, tokens: Sequence[int], g: F32) -> tuple[F32, F32]:
+    def decode(self, tokens: Sequence[int], g: F32, rows: Literal["all", "last"] = "all") -> tuple[F32, F32]:
         """Run the decoder on pairs (tokens[i], g[i]) at positions n_past+i and append their KV.
 
         Args:
             tokens: the token after each g's position (t_{P+1}), target ids.
             g: (n, H): encoder outputs, or the head's own previous pre-norm outputs.
+            rows: outputs for every pair, or only the last (the LM head dominates the cost).
 
         Returns:
-            (logits, h): logits (n, V) float32 with −inf outside the draft vocabulary, and the
-            pre-norm hidden states h (n, H) that feed the next drafting step.
+            (logits, h): logits (k, V) float32 with −inf outside the draft vocabulary, and the
+            pre-norm hidden states h (k, H) that feed the next drafting step; k = n or 1.
         """
         c, t = self.config, self.tensors
         g = np.asarray(g, np.float32)
@@ -231,7 +246,9 @@ class Eagle3Head:
         y = rms_norm(r, t[BLK + "ffn_norm.weight"], c.rms_eps).astype(np.float64)
         ff = silu((y @ t[BLK + "ffn_gate.weight"].T).astype(np.float32)) * (y @ t[BLK + "ffn_up.weight"].T)
         h = (ff.astype(np.float64) @ t[BLK + "ffn_down.weight"].T + r).astype(np.float32)
-        z = rms_norm(h, t["output_norm.weight"], c.rms_eps).astype(np.float64) @ t["output.weight"].T  # (n, V_d)
-        logits = np.full((n, c.n_vocab), -np.inf, np.float32)
+        if rows == "last":
+            h = h[-1:]
+        z = rms_norm(h, t["output_norm.weight"], c.rms_eps).astype(np.float64) @ t["output.weight"].T  # (k, V_d)
+        logits = np.full((len(h), c.n_vocab), -np.inf, np.float32)
         logits[:, self.d2t] = z.astype(np.float32)
         return logits, h

@@ -20,7 +20,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -108,7 +108,9 @@ class LlamaEagle3Head:
             ll.llama_batch_ext_clear(self._batch)
             for i, row in enumerate(chunk):
                 idx = ll.llama_batch_ext_add_embd(self._batch, 0, self._embd(row))
-                pos = (ll.llama_pos * 4)(start + i, 0, 0, 0)  # the encoder ignores positions
+                # the encoder ignores positions, but llama.cpp checks that a batch continues the
+                # head's KV cache (Y = X + 1), as common/speculative.cpp's placeholders do
+                pos = (ll.llama_pos * 4)(self._n_past + start + i, 0, 0, 0)
                 if idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, pos):
                     raise BackendError(f"cannot add feature row {start + i} to the encoder batch ({idx})")
                 ll.llama_batch_ext_set_output_embd(self._batch, idx, True)
@@ -117,18 +119,33 @@ class LlamaEagle3Head:
             out.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_embd)).copy())
         return np.concatenate(out) if out else np.empty((0, self.n_embd), np.float32)
 
-    def decode(self, tokens: Sequence[int], g: F32) -> tuple[F32, F32]:
+    def decode(self, tokens: Sequence[int], g: F32, rows: Literal["all", "last"] = "all") -> tuple[F32, F32]:
         """The decoder on pairs (tokens[i], g[i]) at positions n_past+i (appended to the head's KV).
 
+        Args:
+            rows: outputs for every pair, or only the last (the LM head dominates the cost: measured
+                on SmolLM2 with V_d 8192, 1.5 ms for one pair, 4.4 ms for three with all outputs).
+
         Returns:
-            (logits (n, V) with −inf outside the draft vocabulary, pre-norm h (n, H)).
+            (logits (k, V) with −inf outside the draft vocabulary, pre-norm h (k, H)); k = n or 1.
         """
-        ll, g = self._ll, np.ascontiguousarray(g, np.float32)
+        g = np.ascontiguousarray(g, np.float32)
         n = len(tokens)
         if g.shape != (n, self.n_embd):
             raise ValueError(f"g must be ({n}, {self.n_embd}) for {n} tokens (got {g.shape})")
         if n > self.n_batch:
             raise ValueError(f"at most {self.n_batch} pairs per decode (got {n})")
+        if rows == "last" and n > 1:
+            # 0.3.36's eagle3 graph selects no output rows: a batch whose only output is its last pair
+            # gets the FIRST pair's logits and h (measured). Like common/speculative.cpp, run the
+            # pairs before it without outputs, then the last alone.
+            self._run(tokens[:-1], g[:-1], outputs=False)
+            return self._run(tokens[-1:], g[-1:], outputs=True)
+        return self._run(tokens, g, outputs=True)
+
+    def _run(self, tokens: Sequence[int], g: F32, outputs: bool) -> tuple[F32, F32]:
+        """One llama_process(DECODE) of the pairs, with outputs for all of them or none."""
+        ll, n = self._ll, len(tokens)
         ll.llama_batch_ext_clear(self._batch)
         for i, tok in enumerate(tokens):
             idx = ll.llama_batch_ext_add_token(self._batch, 0, int(tok))
@@ -136,13 +153,15 @@ class LlamaEagle3Head:
             if (idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, pos)
                     or not ll.llama_batch_ext_set_embd_token(self._batch, idx, self._embd(g[i]))):
                 raise BackendError(f"cannot add pair {i} (token {tok}) to the decoder batch ({idx})")
-            ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+            ll.llama_batch_ext_set_output_logits(self._batch, idx, outputs)
         try:
             self._process(_DECODE, f"decode {n} pairs at position {self._n_past}")
         except BackendError:
             ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
             raise
         self._n_past += n
+        if not outputs:
+            return np.empty((0, self.n_vocab), np.float32), np.empty((0, self.n_embd), np.float32)
         logits = np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
                            for i in range(n)]).astype(np.float32)
         h = np.stack([np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, i), shape=(self.n_embd,))
