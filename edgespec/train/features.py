@@ -48,9 +48,10 @@ class CachePlan:
 
 def top_k_logprobs(logits: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float16]]:
     """Per row, the k largest log-softmax values (descending) and their ids. logits: (n, V)."""
-    x = logits.astype(np.float64)
-    lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
-    ids = np.argpartition(-x, k - 1, axis=1)[:, :k]
+    x = np.asarray(logits, np.float32)
+    m = x.max(1)
+    lse = np.log(np.exp(x - m[:, None]).sum(1)) + m
+    ids = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
     vals = np.take_along_axis(x, ids, 1)
     order = np.argsort(-vals, axis=1, kind="stable")
     ids, vals = np.take_along_axis(ids, order, 1), np.take_along_axis(vals, order, 1)
@@ -91,7 +92,9 @@ class FeatureCache:
     def files(self) -> list[Path]:
         return sorted(self.root.glob("seq_*.npz"))
 
-    def load(self, path: Path) -> dict[str, npt.NDArray[Any]]:
+    @staticmethod
+    def load_file(path: Path) -> dict[str, npt.NDArray[Any]]:
+        """One sequence's arrays (tokens, feats, top_ids, top_lp)."""
         with np.load(path) as z:
             return {k: z[k] for k in z.files}
 
@@ -99,7 +102,7 @@ class FeatureCache:
         """How often each target id occurs among the cached tokens and top-1 labels."""
         counts = np.zeros(n_vocab, np.int64)
         for f in self.files():
-            z = self.load(f)
+            z = self.load_file(f)
             np.add.at(counts, z["tokens"].astype(np.int64), 1)
             np.add.at(counts, z["top_ids"][:, 0].astype(np.int64), 1)
         return counts
