@@ -15,7 +15,7 @@ TRAIN_PROMPTS: tuple[str, ...] = (
     "How does a hash table handle two keys that land in the same bucket?",
     "Summarize the main causes of inflation in simple terms.",
     "Write a polite email asking a neighbour to trim a hedge that blocks the footpath.",
-    "What is the difference between a list and a tuple in Python?",
+    "When should a Python program use a tuple instead of a list?",
     "Tell a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain what a binary search does and why it is fast.",
     "Suggest a simple weekly meal plan for a vegetarian student on a budget.",
