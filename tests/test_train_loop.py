@@ -111,3 +111,32 @@ def test_exported_gguf_drafts_like_the_torch_head(caches, tmp_path, tiny_target,
         logits, _ = tr.model.decode_plain(torch.tensor(tokens), tr.model.encode(torch.tensor(feats)))
     agree = (ref_logits.argmax(1) == logits.numpy().argmax(1)).mean()
     assert agree >= min_agree
+
+
+def test_numpy_chain_acceptance_matches_the_trainers_on_generated_text(caches, tmp_path, tiny_target):
+    """evaluate.chain_acceptance (numpy head drafting from its own tokens) == Trainer.evaluate's
+    teacher-forced acceptance on sequences the target generated itself, where the two coincide."""
+    from edgespec.train.evaluate import chain_acceptance, generated_start
+
+    tr = _trainer(caches)
+    for _ in range(30):
+        tr.train_step()
+    path = tr.export(tmp_path / "head.gguf", Path(tiny_target), "f32")
+    cfg, tensors = read_eagle3_gguf(path)
+    head = Eagle3Head(cfg, tensors, tok_embd=caches[2]["tok_embd"])
+    files = caches[1].files()
+    got = chain_acceptance(head, files, depth=3)
+    # the trainer's count restricted to the same origins
+    hits, total = np.zeros(3), 0
+    for f in files:
+        z = FeatureCache.load_file(f)
+        start = max(generated_start(z["tokens"], z["top_ids"][:, 0]), 1)
+        _, right = tr.sequence_loss(tr._tensors(f), 3)
+        r = np.stack([x.numpy() for x in right])
+        n = r.shape[1]
+        for o in range(start - 1, n - 3 + 1):
+            chain = np.cumprod([r[j, o + j] for j in range(3)])
+            hits += chain
+            total += 1
+    assert got["origins"] == total > 20
+    np.testing.assert_allclose(got["acceptance"], hits / total, atol=1e-9)
