@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec.train import prompts as P
-from edgespec.train.data import Forbidden, NGRAM, draft_vocab, evaluation_texts, local_corpus, ngrams, target_to_draft
+from edgespec.train.data import (
+    NGRAM,
+    Forbidden,
+    draft_vocab,
+    evaluation_texts,
+    local_corpus,
+    ngrams,
+    target_to_draft,
+)
 from edgespec.train.features import top_k_logprobs
 
 

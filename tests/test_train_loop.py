@@ -18,7 +18,7 @@ from edgespec.train.data import local_corpus  # noqa: E402
 from edgespec.train.features import CachePlan, FeatureCache, build_cache  # noqa: E402
 from edgespec.train.model import TorchEagle3  # noqa: E402
 from edgespec.train.pipeline import target_info  # noqa: E402
-from edgespec.train.trainer import Trainer, TrainConfig, head_config, init_tensors  # noqa: E402
+from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors  # noqa: E402
 
 LAYERS = (1, 1, 1)  # the tiny target has 2 layers: id 1 is its only valid feature layer
 SEQ = 64

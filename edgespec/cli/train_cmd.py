@@ -50,7 +50,8 @@ def train_head(
         raise MissingDependencyError(_TORCH_HINT) from e
     from edgespec.models import resolve_model
     from edgespec.train import prompts as P
-    from edgespec.train.pipeline import HeadJob, train_head as run
+    from edgespec.train.pipeline import HeadJob
+    from edgespec.train.pipeline import train_head as run
     from edgespec.train.trainer import TrainConfig
 
     if threads:

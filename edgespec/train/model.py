@@ -121,6 +121,7 @@ class TorchEagle3(nn.Module):
         group = c.n_head // c.n_head_kv
         scale = 1.0 / float(np.sqrt(c.head_dim))
         k1 = v1 = None
+        h = g  # replaced by each step's output before step 2 reads it
         chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys/values of steps ≥ 2, unshifted
         out = []
         for step in range(1, steps + 1):

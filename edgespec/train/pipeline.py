@@ -20,9 +20,9 @@ import torch
 from edgespec.heads.gguf_io import read_gguf
 from edgespec.train import prompts as P
 from edgespec.train.data import local_corpus
-from edgespec.train.features import CachePlan, FeatureCache, build_cache
+from edgespec.train.features import CachePlan, build_cache
 from edgespec.train.model import TorchEagle3
-from edgespec.train.trainer import Trainer, TrainConfig, head_config, init_tensors
+from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
 
 KINDS = ("eagle3",)
 
