@@ -1,4 +1,4 @@
-"""The `edgespec` command line: generate, chat, demo, models, profile, bench, convert.
+"""The `edgespec` command line: generate, chat, demo, models, profile, bench, convert, train-head.
 
 Heavy modules (llama_cpp, the backends) load inside the commands, so `edgespec --help` works
 without llama-cpp-python. Every EdgespecError becomes one red `error: ...` line and exit code 1.
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from edgespec.cli import bench_cmd, convert_cmd, models_cmd, profile_cmd, ui
+from edgespec.cli import bench_cmd, convert_cmd, models_cmd, profile_cmd, train_cmd, ui
 from edgespec.cli.options import RunOptions, run_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
@@ -51,6 +51,7 @@ app.add_typer(models_cmd.app)
 app.command()(profile_cmd.profile)
 app.command()(bench_cmd.bench)
 app.command()(convert_cmd.convert)
+app.command("train-head")(train_cmd.train_head)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,99 @@
+"""`edgespec train-head --target X --kind eagle3 --out head.gguf`: self-distil a feature head (needs the
+`train` extra: torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from edgespec.errors import EdgespecError, MissingDependencyError
+
+_KINDS = ("eagle3",)
+_TORCH_HINT = "torch is not installed: pip install 'edgespec[train]' (the train extra)"
+
+
+def train_head(
+    target: Annotated[str, typer.Option("--target", help="Target GGUF file or known model name.")],
+    out: Annotated[Path, typer.Option("--out", help="Head GGUF to write (llama.cpp's eagle3 layout).")],
+    kind: Annotated[str, typer.Option("--kind", help="Head type: eagle3.")] = "eagle3",
+    budget_min: Annotated[float, typer.Option("--budget-min", help="Training time in minutes (feature "
+                                                                   "extraction not counted).")] = 10.0,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="Stop after this many optimizer steps "
+                                                               "(0: only the budget).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of data order, corpus order and initialisation.")] = 0,
+    draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Draft vocabulary size (most frequent "
+                                                                   "target tokens of the training data).")] = 8192,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the work directory's checkpoint.")] = False,
+    weight_type: Annotated[str, typer.Option("--weight-type", help="f16 or q8_0 (2-D weights).")] = "f16",
+    corpus_chars: Annotated[int, typer.Option("--corpus-chars", help="Cap on local corpus text.")] = 1_000_000,
+    prompts: Annotated[int, typer.Option("--prompts", help="Training prompts whose greedy generations "
+                                                           "are used (−1: all).")] = -1,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")] = 192,
+    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
+    threads: Annotated[int, typer.Option("--threads", help="CPU threads (llama.cpp and torch; 0: default).")] = 0,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Feature cache and checkpoints "
+                                                                     "(default $EDGESPEC_HOME/train/<target>).")] = None,
+) -> None:
+    """Train a speculative-decoding head for TARGET by self-distillation and write it as a GGUF."""
+    from edgespec.cli import ui
+
+    if kind not in _KINDS:
+        raise EdgespecError(f"--kind must be one of {', '.join(_KINDS)} (got {kind!r})")
+    if weight_type not in ("f16", "q8_0"):
+        raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
+    try:
+        import torch
+    except ImportError as e:
+        raise MissingDependencyError(_TORCH_HINT) from e
+    from edgespec.models import resolve_model
+    from edgespec.train import prompts as P
+    from edgespec.train.pipeline import HeadJob
+    from edgespec.train.pipeline import train_head as run
+    from edgespec.train.trainer import TrainConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    job = HeadJob(target=resolve_model(target), out=out, kind=kind, budget_s=budget_min * 60,
+                  max_steps=max_steps or None, seed=seed, draft_vocab=draft_vocab, resume=resume,
+                  weight_type=weight_type, corpus_chars=corpus_chars,
+                  n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
+                  threads=threads or None, work_dir=work_dir, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
+    with _TrainProgress() as bar:
+        summary = run(job, note=ui.status, progress=bar.extract, on_step=bar.step)
+    end = summary["end"]
+    acc = " ".join(f"{a:.2f}" for a in end["acceptance"]) if end else "n/a"
+    ui.status(f"wrote {summary['out']} after {summary['steps']} steps ({summary['seconds']:.0f} s); "
+              f"held-out top-1 acceptance by position: {acc}")
+
+
+class _TrainProgress:
+    """Rich bars: feature extraction (sequences) and training (steps, loss, held-out acceptance)."""
+
+    def __enter__(self) -> _TrainProgress:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=Console(stderr=True))
+        self._p.__enter__()
+        self._tasks: dict[str, Any] = {}
+        self._acc = "acc1 –"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._p.__exit__(None, None, None)
+
+    def extract(self, phase: str, done: int, total: int) -> None:
+        if phase not in self._tasks:
+            self._tasks[phase] = self._p.add_task(phase, total=total, info="")
+        self._p.update(self._tasks[phase], completed=done, total=total)
+
+    def step(self, step: int, loss: float, ev: dict[str, Any] | None) -> None:
+        if "train" not in self._tasks:
+            self._tasks["train"] = self._p.add_task("training", total=None, info="")
+        if ev is not None:
+            self._acc = f"held-out loss {ev['loss']:.3f} acc1 {ev['acceptance'][0]:.3f}"
+        self._p.update(self._tasks["train"], completed=step, info=f"loss {loss:.3f}  {self._acc}")

@@ -1,0 +1,173 @@
+"""The on-disk training cache: target features and soft labels per token chunk, resumable.
+
+One file per sequence, ``seq_NNNNN.npz``, written atomically (temp file + rename), holding:
+
+* ``tokens`` int32 (L,): the sequence (BOS first where the tokenizer adds one);
+* ``feats`` float16 (L, 3·H_t): the target's features at each position (inputs of its 3 target
+  layers, ``LlamaFeatureBackend``), fp16 to halve the cache;
+* ``top_ids`` int32 (L, K), ``top_lp`` float16 (L, K): the target's K most likely next tokens at
+  each position and their log-probabilities under the full softmax (temperature 1). K = 32 keeps
+  ≥ 0.9 of the probability mass on most rows of a small model and costs 192 bytes a row instead of
+  V·4; the mass outside the top K is dropped (the loss renormalises over what is kept).
+
+``meta.json`` records the target, its layers and the sequence plan; a rerun with the same plan
+skips the files already written, so an interrupted extraction resumes where it stopped.
+Sequences are corpus chunks (``data.local_corpus``) cut into windows of ``seq_len`` tokens, and
+optionally the target's own greedy continuations of ``prompts.TRAIN_PROMPTS`` (chat template
+applied when the model has one), which are self-distillation data in the strict sense.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.train.data import draft_vocab
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What a cache holds; a cache directory is reused only for the same plan."""
+
+    target: str
+    target_size: int
+    seq_len: int = 256
+    top_k: int = 32
+    corpus_chars: int = 1_000_000
+    n_prompts: int = 0
+    gen_tokens: int = 192
+    seed: int = 0
+
+
+def top_k_logprobs(logits: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float16]]:
+    """Per row, the k largest log-softmax values (descending) and their ids. logits: (n, V)."""
+    x = np.asarray(logits, np.float32)
+    m = x.max(1)
+    lse = np.log(np.exp(x - m[:, None]).sum(1)) + m
+    ids = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
+    vals = np.take_along_axis(x, ids, 1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    ids, vals = np.take_along_axis(ids, order, 1), np.take_along_axis(vals, order, 1)
+    return ids.astype(np.int32), (vals - lse[:, None]).astype(np.float16)
+
+
+def _windows(tokens: list[int], seq_len: int, min_len: int = 32) -> Iterator[list[int]]:
+    for s in range(0, len(tokens), seq_len):
+        w = tokens[s:s + seq_len]
+        if len(w) >= min_len:
+            yield w
+
+
+def _chat_tokens(backend: Any, prompt: str) -> list[int]:
+    """The prompt as a one-turn chat with the target's template (plain text if it has none)."""
+    from edgespec.chat import render_chat
+
+    template = backend.metadata("tokenizer.chat_template")
+    if not template:
+        return backend.tokenize(prompt)
+    text_of = backend.vocab_fingerprint().token_text
+    bos = text_of(backend.bos_id) if backend.bos_id is not None else ""
+    eos = text_of(backend.eos_id) if backend.eos_id is not None else ""
+    text = render_chat(template, [{"role": "user", "content": prompt}], bos_token=bos, eos_token=eos)
+    return backend.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+
+class FeatureCache:
+    """A directory of ``seq_NNNNN.npz`` files (see the module docstring)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.root / "meta.json").read_text())
+
+    def files(self) -> list[Path]:
+        return sorted(self.root.glob("seq_*.npz"))
+
+    @staticmethod
+    def load_file(path: Path) -> dict[str, npt.NDArray[Any]]:
+        """One sequence's arrays (tokens, feats, top_ids, top_lp)."""
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+
+    def token_counts(self, n_vocab: int) -> npt.NDArray[np.int64]:
+        """How often each target id occurs among the cached tokens and top-1 labels."""
+        counts = np.zeros(n_vocab, np.int64)
+        for f in self.files():
+            z = self.load_file(f)
+            np.add.at(counts, z["tokens"].astype(np.int64), 1)
+            np.add.at(counts, z["top_ids"][:, 0].astype(np.int64), 1)
+        return counts
+
+    def d2t(self, n_vocab: int, size: int, always: Sequence[int] = ()) -> npt.NDArray[np.int64]:
+        """The draft vocabulary: the ``size`` most frequent ids of this cache (``data.draft_vocab``)."""
+        return draft_vocab(self.token_counts(n_vocab), size, always)
+
+
+def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence[str],
+                prompts: Sequence[str] = (), progress: Callable[[int, int], None] | None = None) -> FeatureCache:
+    """Fill ``root`` with the features and soft labels of ``texts`` (cut into ``plan.seq_len``-token
+    windows) and of the target's greedy continuations of ``prompts``; resumes a partial cache.
+
+    Args:
+        backend: a ``LlamaFeatureBackend`` on the target (its context must hold
+            ``seq_len`` and ``prompt + gen_tokens`` tokens).
+        root: cache directory (created).
+        plan: the cache's identity; a directory holding another plan is refused.
+        texts: corpus chunks.
+        prompts: training prompts for self-distilled generations.
+        progress: called as ``progress(done, total)`` after each sequence.
+
+    Returns:
+        The cache.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    meta_path = root / "meta.json"
+    want = asdict(plan) | {"layers": list(backend.feature_layers), "n_embd": backend.n_embd}
+    if meta_path.exists():
+        have = json.loads(meta_path.read_text())
+        if have != want:
+            diff = sorted(k for k in want if have.get(k) != want[k])
+            raise ValueError(f"{root} holds a feature cache of another plan (differs in {', '.join(diff)}); "
+                             "use another directory or delete it")
+    else:
+        meta_path.write_text(json.dumps(want, indent=1))
+    jobs: list[tuple[str, Any]] = [("prompt", p) for p in prompts]
+    for text in texts:
+        jobs += [("tokens", w) for w in _windows(backend.tokenize(text), plan.seq_len)]
+    cache = FeatureCache(root)
+    for i, (kind, item) in enumerate(jobs):
+        out = root / f"seq_{i:05d}.npz"
+        if not out.exists():
+            backend.truncate(0)
+            if kind == "tokens":
+                tokens = list(item)
+                logits = backend.eval(tokens, rows="all")  # (L, V)
+            else:
+                tokens = _chat_tokens(backend, item)
+                rows = [backend.eval(tokens, rows="all")]
+                for _ in range(plan.gen_tokens):
+                    nxt = int(np.argmax(rows[-1][-1]))
+                    if backend.is_eog(nxt) or len(tokens) >= plan.seq_len:
+                        break
+                    tokens.append(nxt)
+                    rows.append(backend.eval([nxt], rows="last"))
+                logits = np.concatenate(rows)
+            feats = backend.features(0, len(tokens)).astype(np.float16)
+            ids, lp = top_k_logprobs(logits, plan.top_k)
+            tmp = out.with_suffix(".tmp.npz")
+            np.savez(tmp, tokens=np.asarray(tokens, np.int32), feats=feats, top_ids=ids, top_lp=lp)
+            os.replace(tmp, out)
+        if progress:
+            progress(i + 1, len(jobs))
+    backend.truncate(0)
+    return cache

@@ -1,0 +1,143 @@
+"""``edgespec train-head`` end to end: corpus → feature cache → d2t → head → training → GGUF.
+
+Work directory (default ``$EDGESPEC_HOME/train/<target file stem>``): ``train/`` and ``heldout/``
+feature caches, ``d2t.npy`` and ``checkpoint.pt``. Rerunning resumes the extraction; ``resume``
+continues training from the checkpoint (the budget then counts the new run's seconds only).
+Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgespec.heads.gguf_io import read_gguf
+from edgespec.train import prompts as P
+from edgespec.train.data import local_corpus
+from edgespec.train.features import CachePlan, build_cache
+from edgespec.train.model import TorchEagle3
+from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
+
+KINDS = ("eagle3",)
+
+
+@dataclass
+class HeadJob:
+    """Everything ``train_head`` needs (the CLI's flags)."""
+
+    target: Path
+    out: Path
+    kind: str = "eagle3"
+    budget_s: float | None = 600.0
+    max_steps: int | None = None
+    seed: int = 0
+    draft_vocab: int = 8192
+    resume: bool = False
+    weight_type: str = "f16"
+    corpus_chars: int = 1_000_000
+    n_prompts: int = len(P.TRAIN_PROMPTS)
+    gen_tokens: int = 192
+    seq_len: int = 256
+    threads: int | None = None
+    layers: tuple[int, ...] | None = None  # None: EAGLE-3's (2, n//2, n-3)
+    work_dir: Path | None = None
+    init_from_target: bool = True  # LM head and final norm start as the target's (trainer.init_tensors)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def target_info(path: Path) -> dict[str, Any]:
+    """Architecture hyperparameters, LM head (V, H) and final norm of a target GGUF."""
+    f = read_gguf(path, lambda k: not k.startswith("tokenizer."))
+    arch = f.value("general.architecture")
+
+    def key(k: str, default: Any = None) -> Any:
+        return f.value(f"{arch}.{k}", default)
+
+    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    lm = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    return {"arch": arch, "n_layer": int(key("block_count")), "n_embd": n_embd, "n_head": n_head,
+            "n_head_kv": int(key("attention.head_count_kv", n_head)), "n_ff": int(key("feed_forward_length")),
+            "head_dim": int(key("attention.key_length", n_embd // n_head)),
+            "rms_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_base": float(key("rope.freq_base", 10000.0)),
+            "tok_embd": f.tensor("token_embd.weight"), "lm_head": f.tensor(lm),
+            "output_norm": f.tensor("output_norm.weight") if "output_norm.weight" in f.tensors else None}
+
+
+def train_head(job: HeadJob, note: Callable[[str], None] = print,
+               progress: Callable[[str, int, int], None] | None = None,
+               on_step: Callable[[int, float, dict[str, Any] | None], None] | None = None) -> dict[str, Any]:
+    """Train a head and write it to ``job.out``; returns a summary (steps, seconds, held-out acceptance).
+
+    Args:
+        job: what to train.
+        note: one-line status messages.
+        progress: ``progress(phase, done, total)`` during feature extraction.
+        on_step: ``Trainer.run``'s per-step callback.
+    """
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+
+    if job.kind not in KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(KINDS)} (got {job.kind!r})")
+    torch.manual_seed(job.seed)
+    home = Path(os.environ.get("EDGESPEC_HOME", Path.home() / ".cache" / "edgespec"))
+    work = job.work_dir or home / "train" / job.target.stem
+    work.mkdir(parents=True, exist_ok=True)
+    info = target_info(job.target)
+    backend = LlamaFeatureBackend(job.target, layers=job.layers, n_ctx=max(1024, 2 * job.seq_len),
+                                  threads=job.threads)
+    try:
+        plan = CachePlan(target=str(job.target.resolve()), target_size=job.target.stat().st_size,
+                         seq_len=job.seq_len, corpus_chars=job.corpus_chars, n_prompts=job.n_prompts,
+                         gen_tokens=job.gen_tokens, seed=job.seed)
+        note(f"features of {job.target.name} (layers {list(backend.feature_layers)}) → {work}")
+        texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
+        cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
+                            progress=(lambda d, t: progress("train data", d, t)) if progress else None)
+        held_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
+                              corpus_chars=0, n_prompts=len(P.HELDOUT_PROMPTS), gen_tokens=job.gen_tokens)
+        held = build_cache(backend, work / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
+                           progress=(lambda d, t: progress("held-out data", d, t)) if progress else None)
+        layers = backend.feature_layers
+    finally:
+        backend.close()
+    d2t_path = work / f"d2t-{job.draft_vocab}.npy"
+    if d2t_path.exists():
+        d2t = np.load(d2t_path)
+    else:
+        n_vocab = len(info["tok_embd"])
+        d2t = cache.d2t(n_vocab, job.draft_vocab)
+        np.save(d2t_path, d2t)
+    cfg = head_config(info["n_embd"], info["n_head"], info["n_head_kv"], info["n_ff"], layers,
+                      len(info["tok_embd"]), len(d2t), info["rms_eps"], info["rope_base"], info["head_dim"])
+    tensors = (init_tensors(cfg, d2t, job.seed, info["lm_head"], info["output_norm"]) if job.init_from_target
+               else init_tensors(cfg, d2t, job.seed))
+    model = TorchEagle3(cfg, tensors, info["tok_embd"])
+    train_cfg = TrainConfig(**{**job.train.__dict__, "seed": job.seed})
+    trainer = Trainer(model, cache.files(), held.files(), train_cfg)
+    ckpt = work / f"checkpoint-{job.kind}-v{job.draft_vocab}-s{job.seed}.pt"
+    if job.resume and ckpt.exists():
+        trainer.load(ckpt)
+        note(f"resumed from {ckpt} at step {trainer.step} ({trainer.elapsed:.0f} s trained)")
+    elif ckpt.exists():
+        note(f"starting over (pass --resume to continue {ckpt})")
+    note(f"{len(cache.files())} training sequences, {len(held.files())} held-out; draft vocab {len(d2t)}; "
+         f"head {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    start = trainer.evaluate() if held.files() else None
+    trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt)
+    end = trainer.evaluate() if held.files() else None
+    provenance = {"edgespec.head.trained_steps": str(trainer.step), "edgespec.head.seed": str(job.seed),
+                  "edgespec.head.train_seconds": f"{trainer.elapsed:.0f}",
+                  "edgespec.head.data": f"{len(cache.files())} sequences: stdlib + /usr/share/doc text "
+                                        f"({job.corpus_chars} chars) and greedy generations on "
+                                        f"{job.n_prompts} training prompts",
+                  "edgespec.head.heldout_acceptance": ",".join(f"{a:.3f}" for a in (end or {}).get("acceptance", []))}
+    trainer.export(job.out, job.target, job.weight_type, extra_kv=provenance)
+    return {"steps": trainer.step, "seconds": trainer.elapsed, "start": start, "end": end, "out": job.out,
+            "checkpoint": ckpt}

@@ -1,0 +1,233 @@
+"""Training an EAGLE-3 head on a feature cache: soft-label cross-entropy over the draft vocabulary,
+training-time test, AdamW, a time budget, held-out acceptance, exact checkpoint/resume, GGUF export.
+
+Loss: at TTT step k and head position P the target of the prediction is the target's distribution
+at position P+1 (its top-K kept in the cache, restricted to the draft vocabulary and renormalised);
+the loss is the cross-entropy −Σ p·log q (KL(p‖q) up to p's entropy), averaged over rows, with step
+k weighted 0.8^(k−1) as in EAGLE-3's reference training (later steps are harder and noisier).
+
+Acceptance (greedy, the quantity speculative decoding pays for): a draft at step k is right when the
+head's argmax equals the target's argmax; "position k" counts chains whose steps 1..k are all
+right, over all chain origins of the held-out sequences.
+
+Determinism: the sample order is a function of (seed, epoch) only and the model has no dropout, so a
+run stopped after any step and resumed from its checkpoint continues exactly as one that never
+stopped (tested).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from edgespec.heads.eagle3 import Eagle3Config, random_tensors
+from edgespec.heads.gguf_io import write_eagle3_gguf
+from edgespec.train.data import target_to_draft
+from edgespec.train.features import FeatureCache
+from edgespec.train.model import TorchEagle3
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings (stored in checkpoints and in the exported GGUF's metadata)."""
+
+    ttt_steps: int = 4  # TTT depth: the head is unrolled on its own outputs this many steps
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    batch: int = 4  # sequences per optimizer step
+    grad_clip: float = 1.0
+    step_decay: float = 0.8  # weight of TTT step k: decay^(k-1)
+    seed: int = 0
+    eval_every: int = 50
+
+
+def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
+                n_draft_vocab: int, rms_eps: float = 1e-5, rope_base: float = 10000.0,
+                head_dim: int = 0) -> Eagle3Config:
+    """The head's shape: one decoder layer of the target's own width and attention shape."""
+    return Eagle3Config(n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_tgt=n_embd,
+                        target_layers=tuple(layers), n_vocab=n_vocab, n_draft_vocab=n_draft_vocab,
+                        head_dim=head_dim, rms_eps=rms_eps, rope_base=rope_base)
+
+
+def init_tensors(config: Eagle3Config, d2t: npt.NDArray[np.int64], seed: int,
+                 lm_head: npt.NDArray[np.float32] | None = None,
+                 output_norm: npt.NDArray[np.float32] | None = None) -> dict[str, npt.NDArray[Any]]:
+    """Initial weights: ``random_tensors`` (N(0, 1/fan_in), norms 1), except that the LM head and the
+    final norm may start as the target's own (rows d2t of ``lm_head``, the target's output matrix or
+    its tied token_embd): the head then only has to produce a hidden state the target's unembedding
+    reads well, instead of learning V_d·H output weights from scratch.
+    """
+    t = random_tensors(config, seed=seed, d2t=d2t)
+    if lm_head is not None:
+        t["output.weight"] = np.asarray(lm_head[d2t], np.float32)
+    if output_norm is not None:
+        t["output_norm.weight"] = np.asarray(output_norm, np.float32)
+    return t
+
+
+class Trainer:
+    """Trains ``model`` on the files of ``cache`` (``train_files``), evaluating on ``val_files``.
+
+    Args:
+        model: the head (its d2t fixes the draft vocabulary).
+        train_files, val_files: ``seq_*.npz`` paths (see ``features``).
+        config: optimisation settings.
+    """
+
+    def __init__(self, model: TorchEagle3, train_files: Sequence[Path], val_files: Sequence[Path],
+                 config: TrainConfig) -> None:
+        if not train_files:
+            raise ValueError("no training sequences in the feature cache")
+        self.model, self.config = model, config
+        self.train_files, self.val_files = list(train_files), list(val_files)
+        self.t2d = torch.tensor(target_to_draft(model.d2t.numpy(), model.config.n_vocab))
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                     weight_decay=config.weight_decay)
+        self.step = 0
+        self.elapsed = 0.0  # training seconds over all runs (resumes included)
+        self.history: list[dict[str, float]] = []
+
+    # -- data --------------------------------------------------------------------------------------
+
+    def _sample(self, i: int) -> Path:
+        """The i-th training sample: epoch i // n, in that epoch's seeded permutation."""
+        n = len(self.train_files)
+        order = np.random.default_rng([self.config.seed, i // n]).permutation(n)
+        return self.train_files[order[i % n]]
+
+    @staticmethod
+    def _tensors(path: Path) -> dict[str, torch.Tensor]:
+        z = FeatureCache.load_file(path)
+        return {"tokens": torch.tensor(z["tokens"].astype(np.int64)),
+                "feats": torch.tensor(z["feats"].astype(np.float32)),
+                "top_ids": torch.tensor(z["top_ids"].astype(np.int64)),
+                "top_lp": torch.tensor(z["top_lp"].astype(np.float32))}
+
+    # -- loss and acceptance -----------------------------------------------------------------------
+
+    def sequence_loss(self, seq: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(weighted TTT loss, per step a (N,) bool tensor: the head's argmax == the target's argmax,
+        False where undefined)."""
+        tokens, n = seq["tokens"], len(seq["tokens"]) - 1
+        outs = self.model.rollout(tokens[1:], seq["feats"][:n], steps)
+        ids, lp = seq["top_ids"][1:], seq["top_lp"][1:]  # row P: the target at P+1, predicting t_{P+2}
+        d = self.t2d[ids]  # (N, K) draft ids, −1 outside
+        p = torch.exp(lp) * (d >= 0)
+        mass = p.sum(1, keepdim=True)
+        p = p / mass.clamp_min(1e-12)
+        pos = torch.arange(n)
+        total = torch.zeros(())
+        wsum = 0.0
+        right = []
+        for k, z in enumerate(outs, start=1):
+            rows = (pos >= k - 1) & (mass[:, 0] > 0)
+            logq = torch.log_softmax(z, dim=-1).gather(1, d.clamp_min(0))  # (N, K)
+            ce = -(p * logq).sum(1)
+            if rows.any():
+                w = self.config.step_decay ** (k - 1)
+                total = total + w * ce[rows].mean()
+                wsum += w
+            right.append((self.model.d2t[z.argmax(-1)] == ids[:, 0]) & (pos >= k - 1))
+        return total / max(wsum, 1e-12), right
+
+    @torch.no_grad()
+    def evaluate(self, files: Sequence[Path] | None = None, steps: int | None = None) -> dict[str, Any]:
+        """Held-out loss and chained top-1 acceptance per draft position (1..steps)."""
+        files = self.val_files if files is None else files
+        steps = steps or self.config.ttt_steps
+        hits, counts, losses = np.zeros(steps), np.zeros(steps), []
+        for f in files:
+            loss, right = self.sequence_loss(self._tensors(f), steps)
+            losses.append(float(loss.detach()))
+            r = np.stack([x.numpy() for x in right])  # (steps, N)
+            n = r.shape[1]
+            for k in range(1, steps + 1):
+                origins = np.arange(0, n - k + 1)
+                chain = np.ones(len(origins), bool)
+                for j in range(1, k + 1):
+                    chain &= r[j - 1, origins + j - 1]
+                hits[k - 1] += chain.sum()
+                counts[k - 1] += len(origins)
+        acc = (hits / np.maximum(counts, 1)).tolist()
+        return {"loss": float(np.mean(losses)) if losses else float("nan"), "acceptance": acc}
+
+    # -- optimisation ------------------------------------------------------------------------------
+
+    def train_step(self) -> float:
+        """One AdamW step over ``batch`` sequences; returns the mean loss."""
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for b in range(self.config.batch):
+            loss, _ = self.sequence_loss(self._tensors(self._sample(self.step * self.config.batch + b)),
+                                         self.config.ttt_steps)
+            (loss / self.config.batch).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return total / self.config.batch
+
+    def run(self, *, max_steps: int | None = None, budget_s: float | None = None,
+            on_step: Callable[[int, float, dict[str, Any] | None], None] | None = None,
+            checkpoint: Path | None = None, checkpoint_every_s: float = 120.0) -> None:
+        """Train until ``max_steps`` (total, resumes included) or ``budget_s`` more seconds pass.
+
+        Args:
+            on_step: called as ``on_step(step, loss, eval_or_None)`` after every step.
+            checkpoint: where to save (every ``checkpoint_every_s`` and at the end).
+        """
+        if max_steps is None and budget_s is None:
+            raise ValueError("give max_steps or budget_s")
+        t0 = time.monotonic()
+        last_save = t0
+        while (max_steps is None or self.step < max_steps) and (budget_s is None or time.monotonic() - t0 < budget_s):
+            ts = time.monotonic()
+            loss = self.train_step()
+            self.elapsed += time.monotonic() - ts
+            ev = None
+            if self.val_files and self.step % self.config.eval_every == 0:
+                ev = self.evaluate()
+                self.history.append({"step": self.step, "loss": loss, "val_loss": ev["loss"],
+                                     "acc1": ev["acceptance"][0], "elapsed": self.elapsed})
+            if on_step:
+                on_step(self.step, loss, ev)
+            if checkpoint is not None and time.monotonic() - last_save > checkpoint_every_s:
+                self.save(checkpoint)
+                last_save = time.monotonic()
+        if checkpoint is not None:
+            self.save(checkpoint)
+
+    # -- checkpoints and export --------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Model, optimizer, step, elapsed time and history (atomic)."""
+        path = Path(path)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "elapsed": self.elapsed, "history": self.history, "train": asdict(self.config),
+                    "head": asdict(self.model.config)}, tmp)
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        """Restore a checkpoint written by ``save`` for the same head shape."""
+        state = torch.load(Path(path), weights_only=False)
+        if state["head"] != asdict(self.model.config):
+            raise ValueError(f"checkpoint {path} is for another head shape; delete it or change --work-dir")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+
+    def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
+               extra_kv: dict[str, str] | None = None) -> Path:
+        """Write the head as a llama.cpp eagle3 GGUF (``write_eagle3_gguf``)."""
+        return write_eagle3_gguf(path, self.model.config, self.model.to_numpy(), vocab_source=vocab_source,
+                                 weight_type=weight_type, extra_kv=extra_kv)

@@ -1,0 +1,82 @@
+"""`edgespec train-head`: one-line errors (torch missing, bad --kind) and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_fixtures import build_tiny_llama
+from typer.testing import CliRunner
+
+from edgespec.cli import app as cli
+
+runner = CliRunner()
+
+# A fresh interpreter where `import torch` fails, as on a machine without the train extra.
+_NO_TORCH = """
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.argv = ["edgespec", *sys.argv[1:]]
+from edgespec.cli.app import main
+main()
+"""
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def test_missing_torch_names_the_train_extra(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, "train-head", "--target", "x.gguf", "--out",
+                           str(tmp_path / "h.gguf")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    [line] = _lines(proc.stderr)
+    assert line.startswith("error: ") and "edgespec[train]" in line
+
+
+@pytest.mark.parametrize("args, words", [(["--kind", "medusa"], ["--kind", "eagle3", "medusa"]),
+                                         (["--weight-type", "q4_0"], ["--weight-type", "q4_0"])])
+def test_bad_options_are_one_line_errors(tmp_path: Path, args: list[str], words: list[str]) -> None:
+    result = runner.invoke(cli.app, ["train-head", "--target", "x.gguf", "--out", str(tmp_path / "h.gguf"), *args])
+    assert result.exit_code == 1
+    [line] = _lines(result.output)
+    assert line.startswith("error: ") and all(w in line for w in words)
+
+
+def test_too_shallow_target_is_a_one_line_error(tmp_path: Path, tiny_target: Path) -> None:
+    result = runner.invoke(cli.app, ["train-head", "--target", str(tiny_target), "--out", str(tmp_path / "h.gguf"),
+                                     "--work-dir", str(tmp_path / "w"), "--max-steps", "1"])
+    assert result.exit_code == 1
+    assert _lines(result.output)[-1].startswith("error: ") and "at least 5 layers" in result.output
+
+
+def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
+    """A 5-layer tiny target: features, d2t, 3 steps, a Q8_0 GGUF with provenance; --resume continues."""
+    pytest.importorskip("torch")
+    from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf
+
+    target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
+    out = tmp_path / "head.gguf"
+    args = ["train-head", "--target", str(target), "--out", str(out), "--kind", "eagle3", "--max-steps", "3",
+            "--seed", "1", "--draft-vocab", "300", "--weight-type", "q8_0", "--corpus-chars", "6000",
+            "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w")]
+    result = runner.invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    cfg, tensors = read_eagle3_gguf(out)
+    assert cfg.target_layers == (2, 2, 2) and cfg.n_draft_vocab == 300 and cfg.n_embd_tgt == 64
+    assert len(np.unique(tensors["d2t"])) == 300
+    meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
+    assert meta.value("edgespec.head.trained_steps") == "3" and meta.value("edgespec.head.seed") == "1"
+    result = runner.invoke(cli.app, [*args[:8], "5", *args[9:], "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "resumed from" in result.output and "at step 3" in result.output
+    meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
+    assert meta.value("edgespec.head.trained_steps") == "5"
