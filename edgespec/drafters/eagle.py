@@ -167,11 +167,11 @@ class EagleDrafter:
 
 def is_eagle3_head(path: str | os.PathLike) -> bool:
     """Whether `path` is a GGUF file whose general.architecture is "eagle3" (reads the header only)."""
+    p = Path(path).expanduser()
+    if not p.is_file():  # "ngram", a model name: no need to import the gguf package (~3.5 MiB)
+        return False
     from edgespec.heads.gguf_io import ARCH, read_gguf
 
-    p = Path(path).expanduser()
-    if not p.is_file():
-        return False
     try:
         f = read_gguf(p, lambda k: k == "general.architecture", with_tensors=False)
     except (ValueError, OSError):
