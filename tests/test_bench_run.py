@@ -105,7 +105,7 @@ def test_bench_cli_writes_partial_results_on_ctrl_c(monkeypatch, tmp_path, smoll
 
     real = bench_run.run_matrix
 
-    def interrupted(engine, drafters, configs, tasks, temps, repeats, chat, on_run):
+    def interrupted(engine, drafters, configs, tasks, temps, repeats, chat, on_run, plain_engine=None):
         count = [0]
 
         def counting(r):
@@ -114,7 +114,7 @@ def test_bench_cli_writes_partial_results_on_ctrl_c(monkeypatch, tmp_path, smoll
             if count[0] == 4:
                 raise KeyboardInterrupt
 
-        return real(engine, drafters, configs, tasks, temps, repeats, chat, counting)
+        return real(engine, drafters, configs, tasks, temps, repeats, chat, counting, plain_engine)
 
     monkeypatch.setattr(bench_run, "run_matrix", interrupted)
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))  # no cached profile: efficiency omitted

@@ -262,6 +262,37 @@ def test_cli_generate_with_a_head(tiny_pair):
 
 
 @pytest.mark.real
+def test_bench_with_a_head_runs_plain_on_a_plain_backend(tiny_pair, tmp_path, monkeypatch):
+    """`edgespec bench --drafter head.gguf`: speculative runs on the feature-capturing target, plain runs on
+    a plain backend of the same file; greedy outputs agree across the two."""
+    import json
+
+    import edgespec.bench.run as bench_run
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+    from edgespec.cli.app import app
+
+    real, seen = bench_run.run_matrix, {}
+
+    def spy(engine, drafters, configs, tasks, temps, repeats, chat, on_run, plain_engine=None):
+        seen["spec"], seen["plain"] = type(engine.target), type(plain_engine.target)
+        return real(engine, drafters, configs, tasks, temps, repeats, chat, on_run, plain_engine)
+
+    monkeypatch.setattr(bench_run, "run_matrix", spy)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    target, head = tiny_pair
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", "--target", str(target), "--drafter", str(head), "-k", "3",
+                                      "--max-tokens", "24", "--per-category", "1", "--category", "code_edit",
+                                      "--category", "story", "--threads", "1", "--ctx", "512", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert seen["spec"] is LlamaFeatureBackend and not issubclass(seen["plain"], LlamaFeatureBackend)
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    spec = [r for r in runs if r["config"] != "plain"]
+    assert len(spec) == 2 and all(r["matches_plain"] for r in spec)
+    assert sum(sum(c[0] for c in r["cycles"]) for r in spec) > 0  # it drafted
+
+
+@pytest.mark.real
 def test_a_head_for_another_target_is_refused(smollm2_head, tiny_pair, tiny_target, smollm2_path):
     target, head = tiny_pair
     with pytest.raises(EdgespecError, match=r"hidden size 576, but target .* has hidden size 64") as e:

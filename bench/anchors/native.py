@@ -69,7 +69,10 @@ def native_flags(args: argparse.Namespace, target: str, drafter: str, n_max: int
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(min(args.ngram_n, n_max)),
                   "--spec-ngram-simple-size-m", str(n_max), "--spec-ngram-simple-min-hits", "1"]
     else:
-        flags += ["--spec-type", "draft-simple", "-md", drafter, "--spec-draft-n-max", str(n_max),
+        from edgespec.drafters.eagle import is_eagle3_head
+
+        kind = "draft-eagle3" if is_eagle3_head(drafter) else "draft-simple"
+        flags += ["--spec-type", kind, "-md", drafter, "--spec-draft-n-max", str(n_max),
                   "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", t, "-tbd", t]
         if not args.native_defaults:
             flags += ["-ctkd", args.kv_type, "-ctvd", args.kv_type]
@@ -123,7 +126,8 @@ def render(engine, task, chat: bool) -> tuple[str, list[int], str, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target GGUF path (or edgespec model name)")
-    ap.add_argument("--drafter", required=True, help="'ngram' (native ngram-simple) or a draft GGUF path/name")
+    ap.add_argument("--drafter", required=True, help="'ngram' (native ngram-simple), a draft GGUF path/name, "
+                    "or an EAGLE-3 head GGUF (native draft-eagle3)")
     ap.add_argument("--n-max", type=int, action="append", help="draft length γ (repeatable; 0 = plain). Default 4")
     ap.add_argument("--category", action="append", help="only these categories (repeatable)")
     ap.add_argument("--task", action="append", help="only these task ids (repeatable)")

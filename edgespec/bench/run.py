@@ -51,16 +51,17 @@ class Run:
 
 def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Config], tasks: Sequence[Task],
                temperatures: Sequence[float], repeats: int, chat: bool,
-               on_run: Callable[[Run], None] | None = None) -> list[Run]:
+               on_run: Callable[[Run], None] | None = None, plain_engine: Engine | None = None) -> list[Run]:
     """Run every task × temperature × repeat as plain, config, plain, config, … and return all runs.
-    `drafters` maps Config.drafter to a loaded drafter; the engine's drafter is swapped per config."""
+    `drafters` maps Config.drafter to a loaded drafter; the engine's drafter is swapped per config.
+    Plain runs use `plain_engine` when given (a target without feature capture), else `engine`."""
     runs: list[Run] = []
     for task in tasks:
         for temp in temperatures:
             for rep in range(repeats):
                 for cfg in configs:
                     kw = dict(max_tokens=task.max_tokens, temperature=temp, seed=1000 * rep + 1, num_draft=cfg.k)
-                    plain = _one(engine, task, kw, chat, speculative=False)
+                    plain = _one(plain_engine or engine, task, kw, chat, speculative=False)
                     engine.drafter = drafters[cfg.drafter]
                     spec = _one(engine, task, kw, chat, speculative=True)
                     for label, (gen, stats) in (("plain", plain), (cfg.label, spec)):

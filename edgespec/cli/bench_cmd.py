@@ -16,7 +16,8 @@ def bench(
     target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name (with "
                                         "--backend mlx also an mlx-lm directory).")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
-        "--drafter", help="Drafter config (repeatable): 'ngram' or a same-vocabulary GGUF path/name.")] = None,
+        "--drafter", help="Drafter config (repeatable): 'ngram', a same-vocabulary GGUF path/name, or an "
+                                "EAGLE-3 head GGUF (llama.cpp backend).")] = None,
     k: Annotated[list[str] | None, typer.Option(
         "-k", "--num-draft", help="γ values (repeatable): integers >= 1, or 'auto' for the scheduler "
                                   "(default: 4 and auto).")] = None,
@@ -45,6 +46,7 @@ def bench(
     from edgespec.bench.profile import profile_path, time_forward
     from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
     from edgespec.bench.tasks import load_tasks
+    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
     from edgespec.engine import Engine, check_num_draft
     from edgespec.errors import EdgespecError
     from edgespec.models import model_sha256
@@ -61,7 +63,14 @@ def bench(
         raise EdgespecError("-k 0 is plain decoding, which bench always runs: use -k >= 1 or auto")
     configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
-    engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx))
+    heads = [d for d in (drafter or []) if is_eagle3_head(d)]
+    if heads and backend != "llama.cpp":
+        raise EdgespecError(f"{heads[0]} is an EAGLE-3 head: heads run only on the llama.cpp backend for now")
+    # a head drafts from target features: speculative runs use a target that captures them, plain runs a
+    # plain backend of the same file, so plain tok/s does not pay for the capture
+    engine = Engine(open_eagle3_target(target, heads[0], threads=threads, n_ctx=ctx) if heads
+                    else open_backend(target, backend, threads=threads, n_ctx=ctx))
+    plain_engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx)) if heads else None
     drafters = {}
     try:
         for d in {c.drafter for c in configs}:
@@ -85,7 +94,7 @@ def bench(
         interrupted = False
         try:
             with ui.progress("bench", total) as advance:
-                run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run)
+                run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run, plain_engine)
         except KeyboardInterrupt:  # keep what was measured: write the report of the runs so far
             interrupted = True
             runs = runs[: len(runs) - len(runs) % 2]  # whole plain/spec pairs only
@@ -135,6 +144,8 @@ def bench(
                 d.close()
         engine.drafter = None
         engine.close()
+        if plain_engine is not None:
+            plain_engine.close()
 
 
 def _cached_profile(path: Path | None) -> dict[int, float] | None:

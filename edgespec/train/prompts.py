@@ -56,6 +56,26 @@ TRAIN_PROMPTS: tuple[str, ...] = (
     "Explain what Git branches are and when to use them.",
 )
 
+# More chat-shaped data: every subject asked about in several ways (the held-out subjects are not among them).
+_SUBJECTS = (
+    "volcanoes", "the printing press", "electric cars", "coral reefs", "the Roman aqueducts", "solar panels",
+    "public libraries", "sourdough bread", "the stock market", "black holes", "recycling glass",
+    "the human heart", "wind turbines", "chess openings", "the Great Wall of China", "earthquakes",
+    "coffee roasting", "the violin", "desert animals", "password managers", "rainbows", "bicycle helmets",
+    "the moon landing", "composting", "spreadsheets", "jazz music", "glaciers", "the postal service",
+    "a sorting algorithm", "unit tests", "regular expressions", "a REST endpoint", "a Python dictionary",
+    "a queue data structure", "a shell script", "a makefile",
+)
+_ASKS = (
+    "Explain {s} to a curious teenager in one paragraph.",
+    "Write three short bullet points of facts about {s}.",
+    "What is a common misconception about {s}, and what is the truth?",
+    "Write a four-line poem about {s}.",
+    "Give a step-by-step beginner's guide related to {s}.",
+    "Write a short, friendly paragraph for a blog post about {s}.",
+)
+TRAIN_PROMPTS = TRAIN_PROMPTS + tuple(a.format(s=s) for s in _SUBJECTS for a in _ASKS)
+
 HELDOUT_PROMPTS: tuple[str, ...] = (
     "Explain how a microwave oven heats food.",
     "Write a Python function that checks whether a word is a palindrome.",

@@ -46,6 +46,7 @@ class TrainConfig:
     step_decay: float = 0.8  # weight of TTT step k: decay^(k-1)
     seed: int = 0
     eval_every: int = 50
+    bf16: bool = True  # bfloat16 autocast for the forward/backward (weights and optimizer stay float32)
 
 
 def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
@@ -167,8 +168,9 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for b in range(self.config.batch):
-            loss, _ = self.sequence_loss(self._tensors(self._sample(self.step * self.config.batch + b)),
-                                         self.config.ttt_steps)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+                loss, _ = self.sequence_loss(self._tensors(self._sample(self.step * self.config.batch + b)),
+                                             self.config.ttt_steps)
             (loss / self.config.batch).backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
