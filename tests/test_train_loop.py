@@ -47,13 +47,24 @@ def _trainer(caches, **kw) -> Trainer:
     return Trainer(model, train.files(), held.files(), TrainConfig(**({"batch": 2, "lr": 3e-3, "ttt_steps": 3} | kw)))
 
 
+def test_features_beyond_float16_range_survive_the_cache():
+    from edgespec.train.features import pack_features
+
+    f = np.random.default_rng(0).standard_normal((4, 12)).astype(np.float32)
+    f[1, 3], f[2, 0] = 2.5e5, -7e4  # outlier dimensions of a residual stream (Gemma-3 has them)
+    half, scale = pack_features(f)
+    back = half.astype(np.float32) * scale[:, None]
+    assert np.isfinite(half).all() and scale[0] == 1.0 and scale[3] == 1.0
+    assert (np.abs(back - f) <= 1e-3 * np.abs(f).max(1, keepdims=True)).all()
+
+
 def test_cache_contents_and_resume(caches, tiny_target):
     train, held, _, _ = caches
     files = train.files()
     assert len(files) > 20 and len(held.files()) == 3
     z = FeatureCache.load_file(files[0])  # the first sequence: a greedy generation on a training prompt
     n = len(z["tokens"])
-    assert z["feats"].shape == (n, 3 * 64) and z["feats"].dtype == np.float16
+    assert z["feats"].shape == (n, 3 * 64) and z["feats"].dtype == np.float32
     assert z["top_ids"].shape == (n, 32) and z["top_lp"].dtype == np.float16
     assert (np.diff(z["top_lp"].astype(np.float32), axis=1) <= 1e-3).all()  # descending
     gen = z["tokens"][-10:]  # generated tokens are the target's own argmax

@@ -3,8 +3,10 @@
 One file per sequence, ``seq_NNNNN.npz``, written atomically (temp file + rename), holding:
 
 * ``tokens`` int32 (L,): the sequence (BOS first where the tokenizer adds one);
-* ``feats`` float16 (L, 3·H_t): the target's features at each position (inputs of its 3 target
-  layers, ``LlamaFeatureBackend``), fp16 to halve the cache;
+* ``feats`` float16 (L, 3·H_t) and ``feat_scale`` float32 (L,): the target's features at each
+  position (inputs of its 3 target layers, ``LlamaFeatureBackend``) are ``feats · feat_scale``.
+  fp16 halves the cache; the per-row scale (1 unless the row holds values beyond ±32768) keeps
+  residual streams with huge outlier dimensions (Gemma-3) finite. ``load_file`` applies it;
 * ``top_ids`` int32 (L, K), ``top_lp`` float16 (L, K): the target's K most likely next tokens at
   each position and their log-probabilities under the full softmax (temperature 1). K = 32 keeps
   ≥ 0.9 of the probability mass on most rows of a small model and costs 192 bytes a row instead of
@@ -58,6 +60,13 @@ def top_k_logprobs(logits: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray
     return ids.astype(np.int32), (vals - lse[:, None]).astype(np.float16)
 
 
+def pack_features(f: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.float32]]:
+    """(L, D) float32 → (float16 rows, per-row scale): rows whose max |value| exceeds 32768 are divided
+    by max/32768 so that they stay finite in float16."""
+    scale = np.maximum(1.0, np.abs(f).max(1) / 32768.0).astype(np.float32)
+    return (f / scale[:, None]).astype(np.float16), scale
+
+
 def _windows(tokens: list[int], seq_len: int, min_len: int = 32) -> Iterator[list[int]]:
     for s in range(0, len(tokens), seq_len):
         w = tokens[s:s + seq_len]
@@ -94,9 +103,12 @@ class FeatureCache:
 
     @staticmethod
     def load_file(path: Path) -> dict[str, npt.NDArray[Any]]:
-        """One sequence's arrays (tokens, feats, top_ids, top_lp)."""
+        """One sequence's arrays (tokens, feats (float32, scale applied), top_ids, top_lp)."""
         with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+            out = {k: z[k] for k in z.files}
+        scale = out.pop("feat_scale", None)
+        out["feats"] = out["feats"].astype(np.float32) * (1.0 if scale is None else scale[:, None])
+        return out
 
     def token_counts(self, n_vocab: int) -> npt.NDArray[np.int64]:
         """How often each target id occurs among the cached tokens and top-1 labels."""
@@ -162,10 +174,10 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
                     tokens.append(nxt)
                     rows.append(backend.eval([nxt], rows="last"))
                 logits = np.concatenate(rows)
-            feats = backend.features(0, len(tokens)).astype(np.float16)
+            feats, scale = pack_features(backend.features(0, len(tokens)))
             ids, lp = top_k_logprobs(logits, plan.top_k)
             tmp = out.with_suffix(".tmp.npz")
-            np.savez(tmp, tokens=np.asarray(tokens, np.int32), feats=feats, top_ids=ids, top_lp=lp)
+            np.savez(tmp, tokens=np.asarray(tokens, np.int32), feats=feats, feat_scale=scale, top_ids=ids, top_lp=lp)
             os.replace(tmp, out)
         if progress:
             progress(i + 1, len(jobs))

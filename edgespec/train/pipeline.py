@@ -47,6 +47,7 @@ class HeadJob:
     threads: int | None = None
     layers: tuple[int, ...] | None = None  # None: EAGLE-3's (2, n//2, n-3)
     work_dir: Path | None = None
+    norm_before_fc: bool = True  # RMS-normalise the fused features before fc (trainer.head_config)
     init_from_target: bool = True  # LM head and final norm start as the target's (trainer.init_tensors)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -115,7 +116,8 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         d2t = cache.d2t(n_vocab, job.draft_vocab)
         np.save(d2t_path, d2t)
     cfg = head_config(info["n_embd"], info["n_head"], info["n_head_kv"], info["n_ff"], layers,
-                      len(info["tok_embd"]), len(d2t), info["rms_eps"], info["rope_base"], info["head_dim"])
+                      len(info["tok_embd"]), len(d2t), info["rms_eps"], info["rope_base"], info["head_dim"],
+                      job.norm_before_fc)
     tensors = (init_tensors(cfg, d2t, job.seed, info["lm_head"], info["output_norm"]) if job.init_from_target
                else init_tensors(cfg, d2t, job.seed))
     model = TorchEagle3(cfg, tensors, info["tok_embd"])

@@ -51,11 +51,14 @@ class TrainConfig:
 
 def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
                 n_draft_vocab: int, rms_eps: float = 1e-5, rope_base: float = 10000.0,
-                head_dim: int = 0) -> Eagle3Config:
-    """The head's shape: one decoder layer of the target's own width and attention shape."""
+                head_dim: int = 0, norm_before_fc: bool = True) -> Eagle3Config:
+    """The head's shape: one decoder layer of the target's own width and attention shape.
+    ``norm_before_fc`` RMS-normalises the fused features before fc (EAGLE-3.1; llama.cpp's
+    ``eagle3.norm_before_fc``): residual streams carry outlier dimensions of 10⁴–10⁵ (SmolLM2, Gemma-3),
+    which raw fc inputs would hand straight to the optimiser."""
     return Eagle3Config(n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_tgt=n_embd,
                         target_layers=tuple(layers), n_vocab=n_vocab, n_draft_vocab=n_draft_vocab,
-                        head_dim=head_dim, rms_eps=rms_eps, rope_base=rope_base)
+                        head_dim=head_dim, rms_eps=rms_eps, rope_base=rope_base, norm_before_fc=norm_before_fc)
 
 
 def init_tensors(config: Eagle3Config, d2t: npt.NDArray[np.int64], seed: int,
@@ -108,7 +111,7 @@ class Trainer:
     def _tensors(path: Path) -> dict[str, torch.Tensor]:
         z = FeatureCache.load_file(path)
         return {"tokens": torch.tensor(z["tokens"].astype(np.int64)),
-                "feats": torch.tensor(z["feats"].astype(np.float32)),
+                "feats": torch.tensor(z["feats"]),
                 "top_ids": torch.tensor(z["top_ids"].astype(np.int64)),
                 "top_lp": torch.tensor(z["top_lp"].astype(np.float32))}
 
