@@ -93,6 +93,10 @@ def test_pairwise_ratios_and_ideal_against_hand_computation():
     assert row["efficiency"] == pytest.approx(1.1 / (7 * 10 / 65))
     assert row["tau"] == pytest.approx(7 / 4)
     assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 2])
+    # predicted memory-bound: T1 = 1000/90 ms (median plain), 5 drafted tokens in 3 × 0.1 s of drafting
+    c = (300 / 5) / (1000 / 90)
+    assert row["draft_cost_vs_t1"] == pytest.approx(c)
+    assert row["predicted_memory_bound"] == pytest.approx(7 / (4 + 5 * c))
 
 
 @pytest.mark.real

@@ -110,6 +110,7 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
                           "other": sum(r.t_other for r in rs) / t_total},
                    peak_rss_mb=max(r.peak_rss_mb for r in rs),
                    mismatches=sum(1 for r in rs if r.matches_plain is False))
+        row.update(memory_bound_prediction(rs))
         if t_forward_ms:
             per_tok = (draft_per_token_ms or {}).get(config, 0.0)
             row["ideal_speedup"] = ideal_speedup_at(t_forward_ms, lambda d, ms=per_tok: d * ms,
@@ -117,6 +118,24 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
             row["efficiency"] = row["speedup_median"] / row["ideal_speedup"] if row["ideal_speedup"] else None
         rows.append(row)
     return rows
+
+
+def memory_bound_prediction(rs: Sequence[Run]) -> dict:
+    """A PREDICTION, not a measurement: the speedup these very cycles would give where verifying up to
+    9 tokens costs one step (T(k) = T(1), memory-bound batch-1 decoding on a GPU or Apple silicon),
+    with the draft cost per token in units of T(1) as measured here (the drafter's ms per drafted token
+    in these runs ÷ the plain runs' median ms per token): Σ tokens / Σ (1 + d·c) over cycles (d, n)."""
+    cycles = [c for r in rs for c in r.cycles]
+    drafted = sum(d for d, _ in cycles)
+    plain = [r.plain_tok_per_s for r in rs if r.plain_tok_per_s]
+    if not cycles or not plain:
+        return {}
+    t1_ms = 1000.0 / statistics.median(plain)
+    draft_ms = 1000.0 * sum(r.t_draft for r in rs) / drafted if drafted else 0.0
+    c = draft_ms / t1_ms
+    tokens = sum(min(n, d) + 1 for d, n in cycles)
+    return {"draft_ms_per_token": draft_ms, "draft_cost_vs_t1": c,
+            "predicted_memory_bound": tokens / sum(1 + d * c for d, _ in cycles)}
 
 
 def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float | None]:

@@ -125,7 +125,8 @@ class FeatureCache:
 
 
 def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence[str],
-                prompts: Sequence[str] = (), progress: Callable[[int, int], None] | None = None) -> FeatureCache:
+                prompts: Sequence[str] = (), progress: Callable[[int, int], None] | None = None,
+                generator: Any = None) -> FeatureCache:
     """Fill ``root`` with the features and soft labels of ``texts`` (cut into ``plan.seq_len``-token
     windows) and of the target's greedy continuations of ``prompts``; resumes a partial cache.
 
@@ -137,6 +138,9 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
         texts: corpus chunks.
         prompts: training prompts for self-distilled generations.
         progress: called as ``progress(done, total)`` after each sequence.
+        generator: a plain backend of the same target for the greedy generations (a capturing
+            backend pays for its capture on every one-token step); the finished sequence is then
+            evaluated once on ``backend``. Default: ``backend`` itself.
 
     Returns:
         The cache.
@@ -166,14 +170,18 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
                 logits = backend.eval(tokens, rows="all")  # (L, V)
             else:
                 tokens = _chat_tokens(backend, item)
-                rows = [backend.eval(tokens, rows="all")]
+                gen = generator or backend
+                gen.truncate(0)
+                row = gen.eval(tokens, rows="last")[-1]
                 for _ in range(plan.gen_tokens):
-                    nxt = int(np.argmax(rows[-1][-1]))
-                    if backend.is_eog(nxt) or len(tokens) >= plan.seq_len:
+                    nxt = int(np.argmax(row))
+                    if gen.is_eog(nxt) or len(tokens) >= plan.seq_len:
                         break
                     tokens.append(nxt)
-                    rows.append(backend.eval([nxt], rows="last"))
-                logits = np.concatenate(rows)
+                    row = gen.eval([nxt], rows="last")[-1]
+                gen.truncate(0)
+                backend.truncate(0)
+                logits = backend.eval(tokens, rows="all")  # features and labels of the whole sequence
             feats, scale = pack_features(backend.features(0, len(tokens)))
             ids, lp = top_k_logprobs(logits, plan.top_k)
             tmp = out.with_suffix(".tmp.npz")

@@ -91,8 +91,11 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     work = job.work_dir or home / "train" / job.target.stem
     work.mkdir(parents=True, exist_ok=True)
     info = target_info(job.target)
-    backend = LlamaFeatureBackend(job.target, layers=job.layers, n_ctx=max(1024, 2 * job.seq_len),
-                                  threads=job.threads)
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+
+    n_ctx = max(1024, 2 * job.seq_len)
+    backend = LlamaFeatureBackend(job.target, layers=job.layers, n_ctx=n_ctx, threads=job.threads)
+    generator = LlamaCppBackend(job.target, n_ctx=n_ctx, threads=job.threads)
     try:
         plan = CachePlan(target=str(job.target.resolve()), target_size=job.target.stat().st_size,
                          seq_len=job.seq_len, corpus_chars=job.corpus_chars, n_prompts=job.n_prompts,
@@ -100,14 +103,17 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         note(f"features of {job.target.name} (layers {list(backend.feature_layers)}) → {work}")
         texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
         cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
-                            progress=(lambda d, t: progress("train data", d, t)) if progress else None)
+                            progress=(lambda d, t: progress("train data", d, t)) if progress else None,
+                            generator=generator)
         held_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                               corpus_chars=0, n_prompts=len(P.HELDOUT_PROMPTS), gen_tokens=job.gen_tokens)
         held = build_cache(backend, work / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
-                           progress=(lambda d, t: progress("held-out data", d, t)) if progress else None)
+                           progress=(lambda d, t: progress("held-out data", d, t)) if progress else None,
+                           generator=generator)
         layers = backend.feature_layers
     finally:
         backend.close()
+        generator.close()
     d2t_path = work / f"d2t-{job.draft_vocab}.npy"
     if d2t_path.exists():
         d2t = np.load(d2t_path)
