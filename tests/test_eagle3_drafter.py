@@ -293,6 +293,18 @@ def test_bench_with_a_head_runs_plain_on_a_plain_backend(tiny_pair, tmp_path, mo
 
 
 @pytest.mark.real
+def test_profile_costs_a_head(tiny_pair, tmp_path, monkeypatch):
+    from edgespec.cli.app import app
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    target, head = tiny_pair
+    result = CliRunner().invoke(app, ["profile", "--model", str(target), "--drafter", str(head), "--max-k", "4",
+                                      "--repeats", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "ms per drafted token" in result.output and "E[τ(γ)]" in result.output
+
+
+@pytest.mark.real
 def test_a_head_for_another_target_is_refused(smollm2_head, tiny_pair, tiny_target, smollm2_path):
     target, head = tiny_pair
     with pytest.raises(EdgespecError, match=r"hidden size 576, but target .* has hidden size 64") as e:

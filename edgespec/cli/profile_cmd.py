@@ -13,7 +13,8 @@ from edgespec.cli import ui
 def profile(
     model: Annotated[str, typer.Option("--model", "-m", help="Target: GGUF path or known model name.")] = "smollm2",
     drafter: Annotated[str, typer.Option(
-        "--drafter", help="Drafter to cost and to measure acceptance with ('ngram', a GGUF, or 'none').")] = "ngram",
+        "--drafter", help="Drafter to cost and to measure acceptance with ('ngram', a draft GGUF, an EAGLE-3 "
+                         "head GGUF, or 'none').")] = "ngram",
     max_k: Annotated[int, typer.Option("--max-k", min=2, max=64, help="Time forwards of 1..K tokens.")] = 16,
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Alternating repeats (medians).")] = 5,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads.")] = None,
@@ -37,6 +38,7 @@ def profile(
         time_forward,
     )
     from edgespec.bench.tasks import load_tasks
+    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
     from edgespec.engine import Engine
 
     threads = threads or default_threads()
@@ -55,6 +57,11 @@ def profile(
         prof = load_profile(cached)
         assert prof is not None
         ui.status(f"saved {cached}")
+    if drafter not in ("none", "ngram") and is_eagle3_head(drafter):
+        # T(k) above is the plain target's; a head drafts from features, so acceptance runs on a
+        # target that captures them
+        target.close()
+        target = open_eagle3_target(model, drafter, threads=threads, n_ctx=2048)
     engine = Engine(target, make_drafter(None if drafter == "none" else drafter, target, threads=threads,
                                          n_ctx=2048))
     try:
@@ -65,6 +72,10 @@ def profile(
             dm = getattr(engine.drafter, "model", None)
             if dm is not None:  # a draft model pays one forward per drafted token
                 prof.draft_per_token_ms = time_forward(dm, [1], repeats)[1]
+            elif hasattr(engine.drafter, "measure_ms_per_token"):  # a head: one chain step per token
+                prof.draft_per_token_ms = engine.drafter.measure_ms_per_token()
+                ui.status(f"head: {prof.draft_per_token_ms:.2f} ms per drafted token = "
+                          f"{prof.draft_per_token_ms / prof.t_forward_ms[1]:.1%} of the target's T(1)")
             g_max = max(gammas)
             tasks = list({t.category: t for t in reversed(load_tasks())}.values())  # the first of each category
             chat = target.metadata("tokenizer.chat_template") is not None

@@ -238,7 +238,7 @@ def check_head_matches(head: str | os.PathLike, target: Backend) -> None:
     got = getattr(target, "feature_layers", None)
     if got is None:
         raise EdgespecError(f"EAGLE-3 head {head} needs a target opened with its features, as edgespec.load and "
-                            f"`generate/chat --drafter` open it (bench and profile do not yet; target {target.path})")
+                            f"`generate/chat/bench/profile --drafter` open it (target {target.path})")
     if tuple(got) != layers:
         raise EdgespecError(f"EAGLE-3 head {head} reads target layers {layers}, but target {target.path} "
                             f"captures {tuple(got)}")
