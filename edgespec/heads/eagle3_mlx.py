@@ -1,7 +1,7 @@
 """EAGLE-3 head on MLX: the function of heads/eagle3.py's numpy reference, in mlx.core float32 ops.
 
-Same notation, weights and conventions as eagle3.py (read its module docstring): GGUF tensor names,
-numpy shape = reversed GGUF ne, RoPE in ggml mode 0 (adjacent pairs: ``mx.fast.rope`` with
+Same notation, weights and conventions as eagle3.py (read its module docstring): GGUF tensor names
+(matrices held transposed, (in, out), for speed), RoPE in ggml mode 0 (adjacent pairs: ``mx.fast.rope`` with
 ``traditional=True``), ``norm_before_fc``, ``norm_before_residual``, d2t scattering the draft
 vocabulary's logits into the target's (−inf elsewhere). The KV cache is a pair of growing mx arrays
 (1, n_head_kv, positions, head_dim), truncated by slicing. Inputs and outputs are numpy, as for
@@ -43,7 +43,9 @@ class MlxEagle3Head:
             raise ValueError(f"the head needs token embeddings of shape {(config.n_vocab, config.n_embd)} "
                              f"(its own or the target's; got {shape})")
         self.tok_embd = embd if isinstance(embd, mx.array) else mx.array(np.asarray(embd, np.float32))
-        self.w = {k: mx.array(np.asarray(v, np.float32)) for k, v in tensors.items()
+        # matrices kept transposed, (in, out): on MLX's CPU x @ W runs ~3× faster than x @ Wᵀ of the
+        # GGUF layout (measured 2.4 vs 8.0 ms for SmolLM2-sized 8192 × 576 output rows)
+        self.w = {k: mx.array(np.ascontiguousarray(np.asarray(v, np.float32).T)) for k, v in tensors.items()
                   if k not in ("d2t", "token_embd.weight")}
         self.d2t = np.asarray(tensors["d2t"], np.int64) if "d2t" in tensors else None
         mx.eval(self.w)
@@ -85,7 +87,7 @@ class MlxEagle3Head:
         x = mx.array(f)
         if c.norm_before_fc:
             x = self._rms_norm(x, "enc.output_norm.weight")
-        return np.array(x @ self.w["fc.weight"].T)
+        return np.array(x @ self.w["fc.weight"])
 
     def decode(self, tokens: Sequence[int], g: F32, rows: Literal["all", "last"] = "all") -> tuple[F32, F32]:
         """Run the decoder on pairs (tokens[i], g[i]) at positions n_past+i and append their KV.
@@ -109,21 +111,21 @@ class MlxEagle3Head:
             y = y.reshape(1, n, count, hd).transpose(0, 2, 1, 3)
             return mx.fast.rope(y, c.n_rot, traditional=True, base=c.rope_base, scale=1.0, offset=p0)
 
-        q = heads(x @ w[BLK + "attn_q.weight"].T, c.n_head)
-        k = heads(x @ w[BLK + "attn_k.weight"].T, c.n_head_kv)
-        v = (x @ w[BLK + "attn_v.weight"].T).reshape(1, n, c.n_head_kv, hd).transpose(0, 2, 1, 3)
+        q = heads(x @ w[BLK + "attn_q.weight"], c.n_head)
+        k = heads(x @ w[BLK + "attn_k.weight"], c.n_head_kv)
+        v = (x @ w[BLK + "attn_v.weight"]).reshape(1, n, c.n_head_kv, hd).transpose(0, 2, 1, 3)
         self._k = mx.concatenate([self._k, k], axis=2)
         self._v = mx.concatenate([self._v, v], axis=2)
         mask = mx.arange(p0 + n)[None, :] <= mx.arange(p0, p0 + n)[:, None]  # (n, p0+n): causal
         a = mx.fast.scaled_dot_product_attention(q, self._k, self._v, scale=hd ** -0.5, mask=mask)
         a = a.transpose(0, 2, 1, 3).reshape(n, c.n_head * hd)
-        r = a @ w[BLK + "attn_output.weight"].T + (gn if c.norm_before_residual else gx)
+        r = a @ w[BLK + "attn_output.weight"] + (gn if c.norm_before_residual else gx)
         y = self._rms_norm(r, BLK + "ffn_norm.weight")
-        gate = y @ w[BLK + "ffn_gate.weight"].T
-        h = (gate * mx.sigmoid(gate) * (y @ w[BLK + "ffn_up.weight"].T)) @ w[BLK + "ffn_down.weight"].T + r
+        gate = y @ w[BLK + "ffn_gate.weight"]
+        h = (gate * mx.sigmoid(gate) * (y @ w[BLK + "ffn_up.weight"])) @ w[BLK + "ffn_down.weight"] + r
         if rows == "last":
             h = h[-1:]
-        z = self._rms_norm(h, "output_norm.weight") @ w["output.weight"].T  # (k, V_d)
+        z = self._rms_norm(h, "output_norm.weight") @ w["output.weight"]  # (k, V_d)
         mx.eval(z, h, self._k, self._v)
         z_np, h_np = np.array(z), np.array(h)
         if self.d2t is None:
