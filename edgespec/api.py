@@ -44,8 +44,8 @@ def load(
         target: GGUF path or known model name (see `edgespec models list`), or an mlx-lm model directory
             with backend="mlx"; default SmolLM2-135M-Instruct.
         drafter: None (plain decoding), "ngram" (prompt lookup), a same-vocabulary GGUF path/name, or
-            an EAGLE-3 head GGUF (general.architecture "eagle3"; llama.cpp backend only): the target
-            is then opened to capture the hidden states the head reads.
+            an EAGLE-3 head GGUF (general.architecture "eagle3"): the target is then opened to capture
+            the hidden states the head reads, and the head runs on the same backend.
         backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
             model runs on the same backend).
         n_ctx: context size in tokens (target and draft model).
@@ -63,10 +63,9 @@ def load(
 
     options = dict(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
     head = drafter is not None and is_eagle3_head(drafter)
-    if head and backend == "mlx":
-        raise EdgespecError(f"{drafter} is an EAGLE-3 head: heads run only on the llama.cpp backend for now "
-                            f"(MLX target features are not built yet)")
-    tgt = (open_eagle3_target(target or DEFAULT_TARGET, drafter, **options) if head  # type: ignore[arg-type]
+    if backend not in BACKENDS:
+        raise EdgespecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    tgt = (open_eagle3_target(target or DEFAULT_TARGET, drafter, backend, **options) if head  # type: ignore[arg-type]
            else open_backend(target or DEFAULT_TARGET, backend, **options))
     try:
         return Engine(tgt, make_drafter(drafter, tgt, backend, **options), num_draft=num_draft)

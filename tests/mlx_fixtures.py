@@ -17,6 +17,10 @@ LM_HEAD_GAIN = 1.5  # next-token logits ~ N(0, 1.5²): peaked, yet several token
 _CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # layers 0 and 2 slide (window 4), layer 1 is global; embeddings are scaled by √H before layer 0
+    "gemma3_text": dict(hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=2,
+                        head_dim=16, num_key_value_heads=1, sliding_window=4, sliding_window_pattern=2,
+                        query_pre_attn_scalar=16, rms_norm_eps=1e-6),
     # a recurrent model: its ArraysCache cannot be rolled back
     "mamba": dict(hidden_size=16, intermediate_size=32, state_size=4, num_hidden_layers=1, conv_kernel=4,
                   use_bias=False, use_conv_bias=True, time_step_rank=4, tie_word_embeddings=True),
@@ -30,7 +34,7 @@ def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llam
     Args:
         out: directory to create.
         n_vocab: vocabulary size (6: small enough to enumerate every sampled path).
-        model_type: "llama" or "mamba" (recurrent, for the refusal test).
+        model_type: "llama", "gemma3_text" or "mamba" (recurrent, for the refusal test).
         seed: weight seed; with perturb > 0 it seeds the noise added to base_seed's weights.
         perturb: noise scale relative to each tensor's init (a drafter of tunable quality).
         base_seed: the seed of the model being perturbed (default seed).

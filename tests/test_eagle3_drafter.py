@@ -315,16 +315,3 @@ def test_a_head_for_another_target_is_refused(smollm2_head, tiny_pair, tiny_targ
     with open_backend(target, n_ctx=64, threads=1) as plain:  # bench/profile open plain targets
         with pytest.raises(EdgespecError, match="needs a target opened with its features"):
             make_drafter(head, plain)
-
-
-@pytest.mark.real
-def test_a_head_on_mlx_is_refused(tiny_pair):
-    from edgespec.cli.app import app
-
-    _, head = tiny_pair
-    with pytest.raises(EdgespecError, match="EAGLE-3 head: heads run only on the llama.cpp backend"):
-        edgespec.load("smollm2", drafter=head, backend="mlx")
-    result = CliRunner().invoke(app, ["generate", "--backend", "mlx", "--drafter", str(head), "-p", "hi"])
-    assert result.exit_code == 1 and result.stdout == ""
-    [line] = result.stderr.splitlines()
-    assert line.startswith("error: ") and "MLX target features are not built yet" in line

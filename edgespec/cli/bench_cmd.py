@@ -17,7 +17,7 @@ def bench(
                                         "--backend mlx also an mlx-lm directory).")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
         "--drafter", help="Drafter config (repeatable): 'ngram', a same-vocabulary GGUF path/name, or an "
-                                "EAGLE-3 head GGUF (llama.cpp backend).")] = None,
+                                "EAGLE-3 head GGUF.")] = None,
     k: Annotated[list[str] | None, typer.Option(
         "-k", "--num-draft", help="γ values (repeatable): integers >= 1, or 'auto' for the scheduler "
                                   "(default: 4 and auto).")] = None,
@@ -64,11 +64,9 @@ def bench(
     configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
     heads = [d for d in (drafter or []) if is_eagle3_head(d)]
-    if heads and backend != "llama.cpp":
-        raise EdgespecError(f"{heads[0]} is an EAGLE-3 head: heads run only on the llama.cpp backend for now")
     # a head drafts from target features: speculative runs use a target that captures them, plain runs a
     # plain backend of the same file, so plain tok/s does not pay for the capture
-    engine = Engine(open_eagle3_target(target, heads[0], threads=threads, n_ctx=ctx) if heads
+    engine = Engine(open_eagle3_target(target, heads[0], backend, threads=threads, n_ctx=ctx) if heads
                     else open_backend(target, backend, threads=threads, n_ctx=ctx))
     plain_engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx)) if heads else None
     drafters = {}

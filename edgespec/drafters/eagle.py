@@ -30,12 +30,12 @@ from edgespec.errors import EdgespecError, ModelLoadError, VocabMismatchError
 from edgespec.sampling import SamplingParams, process, sample
 
 F32 = npt.NDArray[np.float32]
-HeadImpl = Literal["auto", "numpy", "llama"]
+HeadImpl = Literal["auto", "numpy", "llama", "mlx"]
 
 
 class Eagle3Runner(Protocol):
-    """What the drafter needs from a head: heads.eagle3.Eagle3Head (numpy) or
-    heads.eagle3_llama.LlamaEagle3Head (libllama)."""
+    """What the drafter needs from a head: heads.eagle3.Eagle3Head (numpy),
+    heads.eagle3_llama.LlamaEagle3Head (libllama) or heads.eagle3_mlx.MlxEagle3Head (MLX)."""
 
     n_embd: int
     n_embd_tgt: int
@@ -53,7 +53,7 @@ class Eagle3Runner(Protocol):
 
 class FeatureTarget(Protocol):
     """A target that keeps one row of features per evaluated position (LlamaFeatureBackend,
-    ReferenceFeatureBackend)."""
+    MlxFeatureBackend, ReferenceFeatureBackend)."""
 
     @property
     def n_past(self) -> int: ...
@@ -197,26 +197,30 @@ def head_target_layers(path: str | os.PathLike) -> tuple[int, ...]:
     return tuple(int(x) for x in layers)
 
 
-def open_eagle3_target(target: str | os.PathLike, head: str | os.PathLike, **options: Any) -> Backend:
-    """Open a llama.cpp target that captures the features `head` reads (LlamaFeatureBackend).
+def open_eagle3_target(target: str | os.PathLike, head: str | os.PathLike, backend: str = "llama.cpp",
+                       **options: Any) -> Backend:
+    """Open a target that captures the features `head` reads: LlamaFeatureBackend, or
+    MlxFeatureBackend with backend="mlx".
 
     Args:
-        target: the target GGUF path or known model name.
+        target: the target GGUF path or known model name (on "mlx" also an mlx-lm directory).
         head: the EAGLE-3 head GGUF.
-        **options: as for LlamaCppBackend (n_ctx, threads, n_gpu_layers, verbose).
+        backend: "llama.cpp" or "mlx".
+        **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
-    from edgespec.backends.llama_features import LlamaFeatureBackend
     from edgespec.heads.gguf_io import read_gguf
     from edgespec.models import resolve_model
 
+    if backend not in ("llama.cpp", "mlx"):
+        raise EdgespecError(f"unknown backend {backend!r} (choose from llama.cpp, mlx)")
     layers = head_target_layers(head)
     h_t = _head_meta(head).value("eagle3.target_hidden_size")
     path = resolve_model(str(target))
     try:  # hidden size and depth from the target's header, before its weights load
         meta = read_gguf(path, lambda k: k == "general.architecture" or k.endswith((".embedding_length", ".block_count")),
-                         with_tensors=False)
+                         with_tensors=False) if path.is_file() else None
     except (ValueError, OSError):
-        meta = None  # LlamaCppBackend reports what is wrong with the file
+        meta = None  # the backend reports what is wrong with the file
     if meta is not None:
         arch = meta.value("general.architecture")
         n_embd, n_layer = meta.value(f"{arch}.embedding_length"), meta.value(f"{arch}.block_count")
@@ -226,6 +230,12 @@ def open_eagle3_target(target: str | os.PathLike, head: str | os.PathLike, **opt
         if n_layer is not None and not all(1 <= lid < n_layer for lid in layers):
             raise EdgespecError(f"EAGLE-3 head {head} reads target layers {layers}, but target {path} has "
                                 f"{n_layer} layers (ids 1..{n_layer - 1} can be read)")
+    if backend == "mlx":
+        from edgespec.backends.mlx_features import MlxFeatureBackend
+
+        return MlxFeatureBackend(path, layers=layers, **options)
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+
     return LlamaFeatureBackend(path, layers=layers, **options)
 
 
@@ -269,17 +279,20 @@ def open_eagle3_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
     Args:
         head: the EAGLE-3 head GGUF.
         target: the feature target.
-        impl: "llama" runs the head on libllama (LlamaEagle3Head, tested equal to numpy), "numpy" on
-            the numpy reference; "auto" takes libllama for a llama.cpp target: measured on SmolLM2
+        impl: "llama" runs the head on libllama (LlamaEagle3Head, tested equal to numpy), "mlx" on MLX
+            (MlxEagle3Head, tested equal to numpy), "numpy" on the numpy reference; "auto" takes MLX
+            for an MLX target and libllama for a llama.cpp target: measured on SmolLM2
             (1 thread, T(1) 11 ms) with a random F16 head, one chain step costs 0.9 ms there against
             56 ms in numpy at V_d 8192, 2.2 ms against 152 ms at V_d 32768 (numpy's float64
-            matmuls convert the weights on every call).
+            matmuls convert the weights on every call). On MLX (CPU, 2 busy cores) a random head
+            of H 576, V_d 8192 takes 6.2 ms per step against 61 ms in numpy.
         threads: CPU threads of the libllama head (default: the target's).
     """
     from edgespec.backends.llama_cpp import LlamaCppBackend
+    from edgespec.backends.mlx import MlxBackend
 
-    if impl not in ("auto", "numpy", "llama"):
-        raise ValueError(f"impl must be 'auto', 'numpy' or 'llama' (got {impl!r})")
+    if impl not in ("auto", "numpy", "llama", "mlx"):
+        raise ValueError(f"impl must be 'auto', 'numpy', 'llama' or 'mlx' (got {impl!r})")
     check_head_matches(head, target)
     runner: Eagle3Runner
     if impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend)):
@@ -288,6 +301,16 @@ def open_eagle3_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
         if not isinstance(target, LlamaCppBackend):
             raise EdgespecError(f"the libllama EAGLE-3 head needs a llama.cpp target (got {target.name})")
         runner = LlamaEagle3Head(head, target, threads=threads)
+    elif impl == "mlx" or (impl == "auto" and isinstance(target, MlxBackend)):
+        from edgespec.heads.eagle3_mlx import MlxEagle3Head
+        from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf
+
+        config, tensors = read_eagle3_gguf(Path(head).expanduser())
+        embd = None
+        if "token_embd.weight" not in tensors:  # borrow the target's: its MLX weight, or its GGUF's
+            embd = (target.token_embeddings() if hasattr(target, "token_embeddings")
+                    else read_gguf(target.path).tensor("token_embd.weight"))
+        runner = MlxEagle3Head(config, tensors, tok_embd=embd)
     else:
         from edgespec.heads.eagle3 import Eagle3Head
         from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf
