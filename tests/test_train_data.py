@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from edgespec.train import prompts as P
@@ -68,3 +70,12 @@ def test_top_k_logprobs_are_the_largest_log_softmax_values():
     want = np.argsort(-ls, axis=1)[:, :8]
     np.testing.assert_array_equal(ids, want)
     np.testing.assert_allclose(lp.astype(np.float32), np.take_along_axis(ls, want, 1), atol=5e-3)
+
+
+def test_heldout_bench_file_is_the_heldout_prompts():
+    """bench/heldout/heads.jsonl (the head acceptance tables' tasks) holds exactly HELDOUT_PROMPTS."""
+    from edgespec.bench.tasks import load_tasks
+
+    tasks = load_tasks(str(Path(__file__).parent.parent / "bench" / "heldout" / "heads.jsonl"))
+    assert [t.messages[0]["content"] for t in tasks] == list(P.HELDOUT_PROMPTS)
+    assert {t.category for t in tasks} == {"heldout"}
