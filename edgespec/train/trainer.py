@@ -67,14 +67,22 @@ def init_tensors(config: Eagle3Config, d2t: npt.NDArray[np.int64], seed: int,
     """Initial weights: ``random_tensors`` (N(0, 1/fan_in), norms 1), except that the LM head and the
     final norm may start as the target's own (rows d2t of ``lm_head``, the target's output matrix or
     its tied token_embd): the head then only has to produce a hidden state the target's unembedding
-    reads well, instead of learning V_d·H output weights from scratch.
+    reads well, instead of learning V_d·H output weights from scratch (the norm: see
+    ``MAX_BORROWED_NORM``).
     """
     t = random_tensors(config, seed=seed, d2t=d2t)
     if lm_head is not None:
         t["output.weight"] = np.asarray(lm_head[d2t], np.float32)
-    if output_norm is not None:
+    if output_norm is not None and float(np.abs(output_norm).mean()) <= MAX_BORROWED_NORM:
         t["output_norm.weight"] = np.asarray(output_norm, np.float32)
     return t
+
+
+# A target's final norm is borrowed only when its weights are moderate (SmolLM2: mean |w| 1.8).
+# Gemma-3's (mean 26, max 301) is tuned to its own residual outliers: on a fresh head's hidden state
+# it makes logits of scale 10², the loss starts near 100 and AdamW needs thousands of steps to
+# shrink it, so the head's norm starts at 1 there.
+MAX_BORROWED_NORM = 4.0
 
 
 class Trainer:
