@@ -85,12 +85,13 @@ def _finite_close(a: np.ndarray, b: np.ndarray, atol: float) -> float:
     return diff
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_libllama_dflash_graph_equals_numpy(tmp_path: Path, smollm2_path: Path, exact: bool):
+@pytest.mark.parametrize(("exact", "causal"), [(True, False), (False, False), (True, True)])
+def test_libllama_dflash_graph_equals_numpy(tmp_path: Path, smollm2_path: Path, exact: bool, causal: bool):
     """Prefill 6 feature rows, a full block at 6; reject: 2 more rows, a 5-token block at 8.
     exact: F32 weights, attention and KV (measured 7e-7); else F16 weights, flash attention and an
-    F16 KV cache, llama.cpp's defaults (measured 2.6e-3 on logits of magnitude ≤ 4)."""
-    cfg = _config()
+    F16 KV cache, llama.cpp's defaults (measured 2.6e-3 on logits of magnitude ≤ 4). causal:
+    dflash.attention.causal = true, which the context takes as its default mask."""
+    cfg = _config(causal=causal)
     d2t = np.sort(np.random.default_rng(3).choice(V, 1000, replace=False))
     path = write_dflash_gguf(tmp_path / "h.gguf", cfg, random_tensors(cfg, seed=1, d2t=d2t, own_embd=True),
                              vocab_source=smollm2_path, weight_type="f32" if exact else "f16")
