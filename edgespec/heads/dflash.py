@@ -1,0 +1,304 @@
+"""DFlash head: a numpy reference of llama.cpp's dflash architecture (src/models/dflash.cpp, 0.3.36).
+
+Notation: H = head hidden size (llama.cpp requires the target's to be the same: the fused feature
+width is T·H), T = number of target layers, B = block size, V = target vocabulary, V_d = draft
+vocabulary. Weights are kept under their GGUF tensor names with numpy shape = reversed GGUF ne
+(``blk.0.attn_q.weight`` is (n_head·head_dim, H)), as in ``edgespec.heads.eagle3``.
+
+Context (one row per target position p, injected into the head's KV cache):
+  g_p = RMSNorm(fc · f_p) · enc.output_norm, f_p = [input of target layer l for l in target_layers]
+  and in every layer i: K_p = RoPE(RMSNorm_head(wk_i · g_p) · k_norm_i, p), V_p = wv_i · g_p
+  (no attn_norm, no V norm: the same wk/wv as the block, applied to g directly).
+Block (the draft pass, positions n..n+b−1 where n = context length, b ≤ B):
+  x = E[[t_last, MASK, …, MASK]] (× embedding_scale if set); per layer:
+  u = RMSNorm(x) · attn_norm; q, k, v = wq·u, wk·u, wv·u; per-head RMSNorm of q, k (q_norm, k_norm);
+  RoPE (NeoX, rotate-half) at the block positions; attention of the b queries over
+  [context K/V ; block K/V] with NO causal mask (unless ``causal``), scale = attention_scale or
+  1/√head_dim; a = wo·attn (× value_scale if set); r = x + a; x = r + FFN_silu(RMSNorm(r)·ffn_norm).
+  logits = output · (RMSNorm(x) · output_norm) for every block row, scattered to V by d2t (others
+  −inf). llama.cpp computes all b rows and drafts greedily from rows 1..b−1 (b−1 ≤ B−1 tokens).
+
+Supported: plain DFlash (Qwen3-style backbone) with optional own token_embd / output, d2t,
+embedding/attention/value scales and a causal flag. Not supported (refused by ``check_tensors``
+and the GGUF reader): DFlash2 conv/selector, DSpark Markov/confidence heads, DSV4 hyper-connection
+stages, attention sinks, post-norms, layer output scales, rope_freqs, quantization scale tensors,
+shared K/V (no attn_v), sliding-window attention, M-RoPE sections and non-SiLU activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.heads.eagle3 import rms_norm, silu
+
+F32 = npt.NDArray[np.float32]
+_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+          "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Hyperparameters of a DFlash head (the dflash.* keys of its GGUF)."""
+
+    n_embd: int  # H (== the target's hidden size)
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    target_layers: tuple[int, ...]  # llama.cpp extract ids: features = INPUT of each target layer
+    n_vocab: int  # V: the target's vocabulary
+    n_draft_vocab: int  # V_d (== V when the head has no d2t)
+    mask_token_id: int
+    block_size: int = 8  # B: the trained block, anchor included
+    head_dim: int = 0  # 0: n_embd // n_head
+    rms_eps: float = 1e-6
+    rope_base: float = 1000000.0
+    n_rot: int = 0  # 0: head_dim
+    context_length: int = 4096
+    causal: bool = False  # dflash.attention.causal: block-internal causal mask
+    embedding_scale: float = 0.0  # 0: unset (llama.cpp's convention for these three)
+    attention_scale: float = 0.0
+    value_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("rms_eps", "rope_base", "embedding_scale", "attention_scale", "value_scale"):
+            object.__setattr__(self, name, float(np.float32(getattr(self, name))))  # GGUF float32
+        object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
+        if self.n_rot == 0:
+            object.__setattr__(self, "n_rot", self.head_dim)
+        if self.n_layer < 1 or not self.target_layers:
+            raise ValueError(f"DFlash needs n_layer ≥ 1 and ≥ 1 target layer (got {self.n_layer}, {self.target_layers})")
+        if self.n_head % self.n_head_kv or self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise ValueError(f"bad attention shape: n_head={self.n_head} n_head_kv={self.n_head_kv} "
+                             f"head_dim={self.head_dim} n_rot={self.n_rot}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be ≥ 2 (anchor + at least one mask; got {self.block_size})")
+        if not 0 < self.n_draft_vocab <= self.n_vocab:
+            raise ValueError(f"n_draft_vocab must be in 1..n_vocab={self.n_vocab} (got {self.n_draft_vocab})")
+        if not 0 <= self.mask_token_id < self.n_vocab:
+            raise ValueError(f"mask_token_id must be in 0..{self.n_vocab - 1} (got {self.mask_token_id})")
+
+    @property
+    def n_embd_enc(self) -> int:
+        """T·H: the width of a fused target-feature row."""
+        return len(self.target_layers) * self.n_embd
+
+    def shapes(self, own_embd: bool = False, own_output: bool = True) -> dict[str, tuple[int, ...]]:
+        """GGUF tensor name → numpy shape of every tensor the head carries (d2t only if V_d < V;
+        ``output.weight`` unless the LM head is the target's or tied to ``token_embd``)."""
+        H, qd, kvd, hd = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim, self.head_dim
+        s: dict[str, tuple[int, ...]] = {"fc.weight": (H, self.n_embd_enc), "enc.output_norm.weight": (H,)}
+        per = {"attn_norm": (H,), "attn_q": (qd, H), "attn_k": (kvd, H), "attn_v": (kvd, H),
+               "attn_output": (H, qd), "attn_q_norm": (hd,), "attn_k_norm": (hd,), "ffn_norm": (H,),
+               "ffn_gate": (self.n_ff, H), "ffn_up": (self.n_ff, H), "ffn_down": (H, self.n_ff)}
+        for i in range(self.n_layer):
+            s |= {f"blk.{i}.{k}.weight": per[k] for k in _LAYER}
+        s["output_norm.weight"] = (H,)
+        if own_output:
+            s["output.weight"] = (self.n_draft_vocab, H)
+        if self.n_draft_vocab < self.n_vocab:
+            s["d2t"] = (self.n_draft_vocab,)
+        if own_embd:
+            s["token_embd.weight"] = (self.n_vocab, H)
+        return s
+
+    def check_tensors(self, tensors: Mapping[str, npt.NDArray]) -> None:
+        """ValueError naming the first missing, unsupported or misshapen tensor."""
+        want = self.shapes(own_embd="token_embd.weight" in tensors, own_output="output.weight" in tensors)
+        extra = sorted(set(tensors) - set(want))
+        if extra:
+            raise ValueError(f"unsupported DFlash tensors (edgespec implements plain DFlash only): {', '.join(extra)}")
+        for name, shape in want.items():
+            if name not in tensors:
+                raise ValueError(f"DFlash head lacks tensor {name} {shape}")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if "d2t" in tensors:
+            if "output.weight" not in tensors:
+                raise ValueError("a DFlash head with d2t needs its own output.weight (V_d rows)")
+            d2t = np.asarray(tensors["d2t"])
+            if d2t.min() < 0 or d2t.max() >= self.n_vocab or len(np.unique(d2t)) != len(d2t):
+                raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
+
+
+def random_tensors(config: DFlashConfig, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
+                   std: float = 1.0, own_embd: bool = False) -> dict[str, npt.NDArray]:
+    """A randomly initialised head: norms = 1, matrices ~ N(0, std²/fan_in), d2t = ``d2t`` or the
+    first V_d target ids; ``own_embd`` adds a token_embd (V, H) ~ N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, npt.NDArray] = {}
+    for name, shape in config.shapes(own_embd=own_embd).items():
+        if name == "d2t":
+            out[name] = np.arange(config.n_draft_vocab, dtype=np.int64) if d2t is None else np.asarray(d2t, np.int64)
+        elif len(shape) == 1:
+            out[name] = np.ones(shape, np.float32)
+        elif name == "token_embd.weight":
+            out[name] = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std / np.sqrt(shape[1]))
+    return out
+
+
+def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
+    """ggml_rope_ext in NeoX mode (LLAMA_ROPE_TYPE_NEOX): rotate pairs (x[i], x[i + n_rot/2]) by
+    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
+    half = n_rot // 2
+    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.astype(np.float64).copy()
+    x0, x1 = out[..., :half].copy(), out[..., half:n_rot].copy()
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:n_rot] = x0 * sin + x1 * cos
+    return out.astype(np.float32)
+
+
+def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64],
+              scale: float, causal: bool) -> F32:
+    """softmax(scale·q·kᵀ) · v over all keys (``causal``: keys at positions ≤ the query's); GQA: query
+    head h reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
+    n, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    kh = np.repeat(k.astype(np.float64), group, axis=1)
+    vh = np.repeat(v.astype(np.float64), group, axis=1)
+    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) * scale
+    if causal:
+        s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
+
+
+def _mm(x: npt.NDArray, w: F32) -> F32:
+    """x · wᵀ in float64, as float32 (w in GGUF/numpy layout: (out, in))."""
+    return (np.asarray(x, np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+
+
+class DFlashHead:
+    """The DFlash head in numpy, with its context KV cache (target positions 0..n_past−1).
+
+    Args:
+        config: hyperparameters.
+        tensors: GGUF tensor name → array (see ``DFlashConfig.shapes``); ``d2t`` int64.
+        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
+            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
+        output: the target's LM head (V, H), used when ``tensors`` has neither ``output.weight``
+            nor ``token_embd.weight`` (llama.cpp ties output to an own token_embd).
+    """
+
+    def __init__(self, config: DFlashConfig, tensors: Mapping[str, npt.NDArray],
+                 tok_embd: F32 | None = None, output: F32 | None = None) -> None:
+        config.check_tensors(tensors)
+        self.config = config
+        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
+                        for k, v in tensors.items()}
+        want = (config.n_vocab, config.n_embd)
+        embd = self.tensors.get("token_embd.weight", tok_embd)
+        if embd is None or embd.shape != want:
+            raise ValueError(f"the head needs token embeddings of shape {want} (its own or the target's; "
+                             f"got {None if embd is None else embd.shape})")
+        head = self.tensors.get("output.weight", self.tensors.get("token_embd.weight", output))
+        if head is None or head.shape != (config.n_draft_vocab, config.n_embd):
+            raise ValueError(f"the head needs an LM head of shape {(config.n_draft_vocab, config.n_embd)} "
+                             f"(its own or the target's; got {None if head is None else head.shape})")
+        self.tok_embd = np.asarray(embd, np.float32)
+        self.lm_head = np.asarray(head, np.float32)
+        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
+        shape = (0, config.n_head_kv, config.head_dim)
+        self._k = [np.empty(shape, np.float32) for _ in range(config.n_layer)]  # per layer (positions, kv heads, d)
+        self._v = [np.empty(shape, np.float32) for _ in range(config.n_layer)]
+
+    @property
+    def n_past(self) -> int:
+        """Target positions whose features are in the context KV cache."""
+        return len(self._k[0])
+
+    def truncate(self, n_past: int) -> None:
+        """Drop the context entries of positions ≥ n_past (after a rejection)."""
+        self._k = [k[:n_past] for k in self._k]
+        self._v = [v[:n_past] for v in self._v]
+
+    def encode(self, features: F32) -> F32:
+        """fc then hidden_norm over fused target features: (n, T·H) → g (n, H)."""
+        c, t = self.config, self.tensors
+        f = np.asarray(features, np.float32)
+        if f.ndim != 2 or f.shape[1] != c.n_embd_enc:
+            raise ValueError(f"features must be (n, {c.n_embd_enc}) (got {f.shape})")
+        return rms_norm(_mm(f, t["fc.weight"]), t["enc.output_norm.weight"], c.rms_eps)
+
+    def inject(self, features: F32) -> F32:
+        """Append target positions n_past.. to the context cache (llama.cpp's embd-batch decode):
+        per layer K = RoPE(k_norm(wk·g)), V = wv·g. Returns g (n, H)."""
+        c, t = self.config, self.tensors
+        g = self.encode(features)
+        n = len(g)
+        pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
+        for i in range(c.n_layer):
+            k = _mm(g, t[f"blk.{i}.attn_k.weight"]).reshape(n, c.n_head_kv, c.head_dim)
+            k = rope_neox(rms_norm(k, t[f"blk.{i}.attn_k_norm.weight"], c.rms_eps), pos, c.n_rot, c.rope_base)
+            v = _mm(g, t[f"blk.{i}.attn_v.weight"]).reshape(n, c.n_head_kv, c.head_dim)
+            self._k[i], self._v[i] = np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v])
+        return g
+
+    def block_tokens(self, anchor: int, n: int | None = None) -> list[int]:
+        """[anchor, MASK×(n−1)], n = block_size by default (common/speculative.cpp's noise block)."""
+        n = self.config.block_size if n is None else n
+        return [int(anchor)] + [self.config.mask_token_id] * (n - 1)
+
+    def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
+        """The decoder on a block at positions n_past..n_past+b−1, attending to the whole context
+        cache and the whole block; the cache is left unchanged.
+
+        Args:
+            tokens: b ≤ block_size target ids, normally ``block_tokens(t_last)``.
+
+        Returns:
+            (logits (b, V) with −inf outside the draft vocabulary, the normed hidden (b, H)).
+        """
+        c, t = self.config, self.tensors
+        b = len(tokens)
+        if not 1 <= b <= c.block_size:
+            raise ValueError(f"a block holds 1..{c.block_size} tokens (got {b})")
+        ids = np.asarray(tokens, np.int64)
+        if ids.min() < 0 or ids.max() >= c.n_vocab:
+            raise ValueError(f"block tokens must be target ids in 0..{c.n_vocab - 1}")
+        x = self.tok_embd[ids]
+        if c.embedding_scale:
+            x = (x * np.float32(c.embedding_scale)).astype(np.float32)
+        pos = np.arange(self.n_past, self.n_past + b, dtype=np.int64)
+        kpos = np.arange(self.n_past + b, dtype=np.int64)
+        scale = c.attention_scale or 1.0 / np.sqrt(c.head_dim)
+        for i in range(c.n_layer):
+            w = {k: t[f"blk.{i}.{k}.weight"] for k in _LAYER}
+            u = rms_norm(x, w["attn_norm"], c.rms_eps)
+            q = rms_norm(_mm(u, w["attn_q"]).reshape(b, c.n_head, c.head_dim), w["attn_q_norm"], c.rms_eps)
+            k = rms_norm(_mm(u, w["attn_k"]).reshape(b, c.n_head_kv, c.head_dim), w["attn_k_norm"], c.rms_eps)
+            v = _mm(u, w["attn_v"]).reshape(b, c.n_head_kv, c.head_dim)
+            q, k = rope_neox(q, pos, c.n_rot, c.rope_base), rope_neox(k, pos, c.n_rot, c.rope_base)
+            a = attention(q, np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v]), pos, kpos,
+                          scale, c.causal)
+            a = _mm(a, w["attn_output"])
+            if c.value_scale:
+                a = (a * np.float32(c.value_scale)).astype(np.float32)
+            r = (a.astype(np.float64) + x).astype(np.float32)
+            y = rms_norm(r, w["ffn_norm"], c.rms_eps)
+            ff = silu(_mm(y, w["ffn_gate"])) * _mm(y, w["ffn_up"])
+            x = (_mm(ff, w["ffn_down"]).astype(np.float64) + r).astype(np.float32)
+        h = rms_norm(x, t["output_norm.weight"], c.rms_eps)
+        logits = np.full((b, c.n_vocab), -np.inf, np.float32)
+        logits[:, self.d2t] = _mm(h, self.lm_head)
+        return logits, h
+
+    def draft(self, anchor: int, n_draft: int | None = None) -> list[int]:
+        """Greedy drafts after ``anchor`` (the last accepted token, at position n_past): argmax of
+        block rows 1..n_draft, n_draft ≤ block_size − 1 (default: all of them)."""
+        n_draft = self.config.block_size - 1 if n_draft is None else n_draft
+        if not 1 <= n_draft < self.config.block_size:
+            raise ValueError(f"n_draft must be in 1..{self.config.block_size - 1} (got {n_draft})")
+        logits, _ = self.forward_block(self.block_tokens(anchor, n_draft + 1))
+        return [int(i) for i in logits[1:].argmax(axis=1)]

@@ -1,0 +1,157 @@
+"""GGUF files for DFlash heads in llama.cpp's dflash layout (shares the reader of ``gguf_io``).
+
+Layout (vendored llama.cpp 0.3.36: src/models/dflash.cpp load_arch_hparams/load_arch_tensors,
+src/llama-arch.cpp, conversion/qwen.py DFlashModel, common/speculative.cpp): architecture
+``dflash``; the usual hyperparameters under ``dflash.*`` (context_length, embedding_length,
+block_count, feed_forward_length, attention.head_count[_kv], attention.key_length/value_length,
+attention.layer_norm_rms_epsilon, rope.freq_base, rope.dimension_count); DFlash keys
+``dflash.target_layers`` (INT32 array, required: extract ids = HF target_layer_ids + 1, i.e. the
+feature is the INPUT of that target layer), ``dflash.block_size`` (UINT32; speculative.cpp defaults
+to 16 without it), ``dflash.attention.causal`` (BOOL, false = DFlash's non-causal block),
+``tokenizer.ggml.mask_token_id`` (UINT32) and optional ``dflash.embedding_scale``,
+``dflash.attention.scale``, ``dflash.attention.value_scale`` (FLOAT32, 0/absent = unset).
+Tensors: ``fc.weight`` (ne {T·H, H}), ``enc.output_norm.weight`` (the hidden_norm after fc),
+``blk.N.{attn_norm,attn_q,attn_k,attn_v,attn_output,attn_q_norm,attn_k_norm,ffn_norm,ffn_gate,
+ffn_up,ffn_down}.weight``, ``output_norm.weight``, optional ``output.weight`` (V_d rows),
+``token_embd.weight`` and ``d2t`` (I64). Without token_embd / output llama.cpp borrows the
+target's through ``ctx_other``. The file carries the target's ``tokenizer.*`` metadata.
+
+The reader refuses files using parts ``edgespec.heads.dflash`` does not implement (DFlash2
+conv/selector keys, DSV4 hyper-connections, sliding windows, M-RoPE sections, non-SiLU activations)
+as well as any unknown tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.heads.dflash import DFlashConfig
+from edgespec.heads.gguf_io import WEIGHT_TYPES, read_gguf, tokenizer_fields
+
+ARCH = "dflash"
+MASK_KEY = "tokenizer.ggml.mask_token_id"
+_UNSUPPORTED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                     "hyper_connection.count", "attention.sliding_window", "rope.dimension_sections")
+
+
+def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[str, npt.NDArray[Any]], *,
+                      vocab_source: str | Path, weight_type: str = "f16", name: str = "edgespec dflash head",
+                      extra_kv: Mapping[str, str] | None = None) -> Path:
+    """Write a DFlash head in llama.cpp's layout.
+
+    Args:
+        path: output file.
+        config: the head's hyperparameters.
+        tensors: GGUF tensor name → array (numpy shape = reversed GGUF ne; ``d2t`` int64), as
+            ``DFlashHead.tensors`` holds them.
+        vocab_source: the target GGUF; its ``tokenizer.*`` metadata is copied and the config's
+            ``mask_token_id`` overrides any mask id it has.
+        weight_type: "f16", "q8_0" or "f32" for the 2-D weights; norms stay F32, d2t I64. A Q8_0
+            matrix whose rows are not a multiple of 32 values is written as F16.
+        name: general.name.
+        extra_kv: extra string metadata (e.g. ``edgespec.head.*`` provenance).
+
+    Returns:
+        ``path`` as a Path.
+    """
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)} (got {weight_type!r})")
+    config.check_tensors(tensors)
+    path = Path(path)
+    tok = tokenizer_fields(vocab_source)
+    n_vocab = len(tok["tokenizer.ggml.tokens"][0])
+    if n_vocab != config.n_vocab:
+        raise ValueError(f"{vocab_source} has {n_vocab} tokens but the head's config says n_vocab={config.n_vocab}")
+    tok.pop(MASK_KEY, None)
+    qtype = WEIGHT_TYPES[weight_type]
+    w = gguf.GGUFWriter(path, ARCH)
+    w.add_name(name)
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[weight_type])
+    w.add_context_length(config.context_length)
+    w.add_embedding_length(config.n_embd)
+    w.add_block_count(config.n_layer)
+    w.add_feed_forward_length(config.n_ff)
+    w.add_head_count(config.n_head)
+    w.add_head_count_kv(config.n_head_kv)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_eps)
+    w.add_rope_freq_base(config.rope_base)
+    w.add_rope_dimension_count(config.n_rot)
+    w.add_vocab_size(config.n_vocab)
+    w.add_key_value(f"{ARCH}.target_layers", list(config.target_layers), gguf.GGUFValueType.ARRAY,
+                    gguf.GGUFValueType.INT32)
+    w.add_uint32(f"{ARCH}.block_size", config.block_size)
+    w.add_bool(f"{ARCH}.attention.causal", config.causal)
+    w.add_string(f"{ARCH}.hidden_activation", "silu")
+    for key, value in (("embedding_scale", config.embedding_scale), ("attention.scale", config.attention_scale),
+                       ("attention.value_scale", config.value_scale)):
+        if value:
+            w.add_float32(f"{ARCH}.{key}", value)
+    for key, (value, vtype, sub) in tok.items():
+        w.add_key_value(key, value, vtype, sub)
+    w.add_uint32(MASK_KEY, config.mask_token_id)
+    for key, text in (extra_kv or {}).items():
+        w.add_string(key, text)
+    for tname, arr in tensors.items():
+        if tname == "d2t":
+            w.add_tensor(tname, np.ascontiguousarray(arr, np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+            continue
+        arr = np.ascontiguousarray(arr, np.float32)
+        t = qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if t == gguf.GGMLQuantizationType.Q8_0 and arr.shape[-1] % 32:
+            t = gguf.GGMLQuantizationType.F16
+        data = gguf.quants.quantize(arr, t)
+        w.add_tensor(tname, data, raw_dtype=t if data.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def read_dflash_gguf(path: str | Path) -> tuple[DFlashConfig, dict[str, npt.NDArray[Any]]]:
+    """Read a DFlash head written in llama.cpp's layout: its config and its tensors (float32, d2t
+    int64). Raises ValueError if the file is not a dflash GGUF or uses an unsupported part."""
+    f = read_gguf(path, lambda k: not k.startswith("tokenizer.") or k in ("tokenizer.ggml.tokens", MASK_KEY))
+    arch = f.value("general.architecture")
+    if arch != ARCH:
+        raise ValueError(f"{path} is not a DFlash head (general.architecture={arch!r})")
+    for k in _UNSUPPORTED_KEYS:
+        if f"{ARCH}.{k}" in f.kv:
+            raise ValueError(f"{path} uses {ARCH}.{k}, which edgespec's DFlash reference does not implement")
+    act = f.value(f"{ARCH}.hidden_activation", "silu")
+    if act != "silu":
+        raise ValueError(f"{path} has hidden_activation={act!r}; edgespec's DFlash reference implements silu only")
+
+    def key(k: str, default: Any = None) -> Any:
+        v = f.value(f"{ARCH}.{k}", default)
+        if v is None:
+            raise ValueError(f"{path} lacks {ARCH}.{k}")
+        return v
+
+    mask = f.value(MASK_KEY)
+    if mask is None:
+        raise ValueError(f"{path} lacks {MASK_KEY} (the block's MASK token)")
+    n_head = int(key("attention.head_count"))
+    n_embd = int(key("embedding_length"))
+    tensors = {name: f.tensor(name) for name in f.tensors}
+    n_vocab = int(f.value(f"{ARCH}.vocab_size") or len(f.value("tokenizer.ggml.tokens", [])))
+    config = DFlashConfig(
+        n_embd=n_embd, n_layer=int(key("block_count")), n_head=n_head,
+        n_head_kv=int(key("attention.head_count_kv", n_head)), n_ff=int(key("feed_forward_length")),
+        target_layers=tuple(int(x) for x in key("target_layers")), n_vocab=n_vocab,
+        n_draft_vocab=len(tensors["d2t"]) if "d2t" in tensors else n_vocab, mask_token_id=int(mask),
+        block_size=int(key("block_size", 16)), head_dim=int(key("attention.key_length", n_embd // n_head)),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")), rope_base=float(key("rope.freq_base", 10000.0)),
+        n_rot=int(key("rope.dimension_count", n_embd // n_head)), context_length=int(key("context_length")),
+        causal=bool(key("attention.causal", False)), embedding_scale=float(key("embedding_scale", 0.0)),
+        attention_scale=float(key("attention.scale", 0.0)), value_scale=float(key("attention.value_scale", 0.0)))
+    config.check_tensors(tensors)
+    return config, tensors
