@@ -45,6 +45,18 @@ def _lib():
     return llama_cpp
 
 
+def model_metadata(ll: Any, model: Any, key: str) -> str | None:
+    """A llama.cpp model's metadata value as text (llama_model_meta_val_str), None if absent."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
 # ggml type ids (ggml.h) for the KV cache
 _KV_TYPES = {"q8_0": 8, "f16": 1, "f32": 0}
 
@@ -210,14 +222,7 @@ class _VocabCalls:
             token_text=lambda i: ll.llama_vocab_get_text(v, i).decode("utf-8", "replace"))
 
     def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
+        return model_metadata(self._ll, self._model, key)
 
 
 class LlamaCppBackend(_VocabCalls):

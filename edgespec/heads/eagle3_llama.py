@@ -16,24 +16,18 @@ compared on the same inputs.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 
-from edgespec.backends.llama_cpp import _KV_TYPES, LlamaCppBackend, _diagnose, _lib, check_gguf_file
-from edgespec.backends.llama_features import ext_api
+from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError, ModelLoadError
-
-F32 = npt.NDArray[np.float32]
-_ENCODE, _DECODE = 0, 1  # enum llama_process_type
+from edgespec.heads.llama_head import DECODE, ENCODE, F32, LlamaHeadContext
 
 
-class LlamaEagle3Head:
+class LlamaEagle3Head(LlamaHeadContext):
     """An EAGLE-3 head on llama.cpp, attached to a target context.
 
     Args:
@@ -47,55 +41,12 @@ class LlamaEagle3Head:
 
     def __init__(self, path: str | os.PathLike, target: LlamaCppBackend, *, kv_type: str = "f16",
                  flash_attn: bool = True, threads: int | None = None) -> None:
-        self._model = self._ctx = self._batch = None
-        self._ll = ll = _lib()
-        api = ext_api()
-        if api is None:
-            raise BackendError("this libllama does not export the ext API an EAGLE-3 head needs")
-        self._api = api
-        p = Path(path).expanduser()
-        check_gguf_file(p)
-        self._model = ll.llama_model_load_from_file(str(p).encode(), ll.llama_model_default_params())
-        if not self._model:
-            raise ModelLoadError(f"cannot load {p}: {_diagnose(p)}")
-        self.target_layers = api.model_target_layers(self._model)
+        super().__init__(path, target, kind="EAGLE-3", kv_type=kv_type, flash_attn=flash_attn, threads=threads)
         if len(self.target_layers) != 3:
-            raise ModelLoadError(f"{p} is not an EAGLE-3 head (target layers {self.target_layers})")
-        self.n_embd = ll.llama_model_n_embd(self._model)
-        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
-        self.n_embd_tgt = ll.llama_model_n_embd(target._model)
-        cp = ll.llama_context_default_params()
-        cp.n_ctx = target.n_ctx
-        cp.n_batch = cp.n_ubatch = target.n_batch  # the encoder needs a whole batch in one ubatch
-        cp.n_seq_max = 1
-        cp.n_threads = cp.n_threads_batch = threads or target.threads
-        cp.type_k = cp.type_v = _KV_TYPES[kv_type]
-        cp.flash_attn_type = -1 if flash_attn else 0  # AUTO / DISABLED
-        cp.no_perf = True
-        cp.ctx_other = target._ctx
-        self._ctx = ll.llama_init_from_model(self._model, cp)
-        if not self._ctx:
             self.close()
-            raise ModelLoadError(f"cannot create a llama.cpp context for the head {p}: {_diagnose(p)}")
-        api.set_nextn(self._ctx, True, True)  # pre-norm rows for the outputs asked for
-        self._mem = ll.llama_get_memory(self._ctx)
-        self._batch = ll.llama_batch_ext_init(self._ctx)
-        self.n_batch = target.n_batch
-        self._target = target  # keeps ctx_other alive as long as this head
-        self._n_past = 0
-
-    @property
-    def n_past(self) -> int:
-        """Positions in the head's KV cache."""
-        return self._n_past
-
-    def _embd(self, row: F32) -> Any:
-        return self._ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, row.shape[0])
-
-    def _process(self, kind: int, what: str) -> None:
-        rc = self._ll.llama_process(self._ctx, kind, self._batch)
-        if rc != 0:
-            raise BackendError(f"llama_process({what}) returned {rc}")
+            raise ModelLoadError(f"{self.path} is not an EAGLE-3 head (target layers {self.target_layers})")
+        self.n_embd_tgt = self._ll.llama_model_n_embd(target._model)
+        self._api.set_nextn(self._ctx, True, True)  # pre-norm rows for the outputs asked for
 
     def encode(self, features: F32) -> F32:
         """fc over target features: (n, 3·H_t) → g (n, H)."""
@@ -110,11 +61,10 @@ class LlamaEagle3Head:
                 idx = ll.llama_batch_ext_add_embd(self._batch, 0, self._embd(row))
                 # the encoder ignores positions, but llama.cpp checks that a batch continues the
                 # head's KV cache (Y = X + 1), as common/speculative.cpp's placeholders do
-                pos = (ll.llama_pos * 4)(self._n_past + start + i, 0, 0, 0)
-                if idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, pos):
+                if idx < 0 or not self._set_pos(idx, (self._n_past + start + i, 0, 0, 0)):
                     raise BackendError(f"cannot add feature row {start + i} to the encoder batch ({idx})")
                 ll.llama_batch_ext_set_output_embd(self._batch, idx, True)
-            self._process(_ENCODE, f"encode {len(chunk)} rows")
+            self._process(ENCODE, f"encode {len(chunk)} rows")
             ptr = self._api.get_nextn(self._ctx)
             out.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_embd)).copy())
         return np.concatenate(out) if out else np.empty((0, self.n_embd), np.float32)
@@ -149,52 +99,19 @@ class LlamaEagle3Head:
         ll.llama_batch_ext_clear(self._batch)
         for i, tok in enumerate(tokens):
             idx = ll.llama_batch_ext_add_token(self._batch, 0, int(tok))
-            pos = (ll.llama_pos * 4)(self._n_past + i, 0, 0, 0)
-            if (idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, pos)
+            if (idx < 0 or not self._set_pos(idx, (self._n_past + i, 0, 0, 0))
                     or not ll.llama_batch_ext_set_embd_token(self._batch, idx, self._embd(g[i]))):
                 raise BackendError(f"cannot add pair {i} (token {tok}) to the decoder batch ({idx})")
             ll.llama_batch_ext_set_output_logits(self._batch, idx, outputs)
         try:
-            self._process(_DECODE, f"decode {n} pairs at position {self._n_past}")
+            self._process(DECODE, f"decode {n} pairs at position {self._n_past}")
         except BackendError:
             ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
             raise
         self._n_past += n
         if not outputs:
             return np.empty((0, self.n_vocab), np.float32), np.empty((0, self.n_embd), np.float32)
-        logits = np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
-                           for i in range(n)]).astype(np.float32)
+        logits = self._logits(n)
         h = np.stack([np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, i), shape=(self.n_embd,))
                       for i in range(n)]).astype(np.float32)
         return logits, h
-
-    def truncate(self, n_past: int) -> None:
-        """Drop the head's KV entries of positions ≥ n_past."""
-        if n_past >= self._n_past:
-            return
-        if not self._ll.llama_memory_seq_rm(self._mem, 0, n_past, -1):
-            raise BackendError(f"llama_memory_seq_rm could not roll the head back to {n_past}")
-        self._n_past = n_past
-
-    def close(self) -> None:
-        ll = getattr(self, "_ll", None)
-        if ll is None:
-            return
-        if self._batch:
-            ll.llama_batch_ext_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            ll.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        self.close()
-
-    def __enter__(self) -> LlamaEagle3Head:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
