@@ -218,6 +218,14 @@ class DFlashHead:
         """Target positions whose features are in the context KV cache."""
         return len(self._k[0])
 
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
     def truncate(self, n_past: int) -> None:
         """Drop the context entries of positions ≥ n_past (after a rejection)."""
         self._k = [k[:n_past] for k in self._k]
@@ -294,11 +302,14 @@ class DFlashHead:
         logits[:, self.d2t] = _mm(h, self.lm_head)
         return logits, h
 
+    def block_logits(self, tokens: Sequence[int]) -> F32:
+        """Only the logits of ``forward_block`` (the interface LlamaDFlashHead shares)."""
+        return self.forward_block(tokens)[0]
+
     def draft(self, anchor: int, n_draft: int | None = None) -> list[int]:
         """Greedy drafts after ``anchor`` (the last accepted token, at position n_past): argmax of
         block rows 1..n_draft, n_draft ≤ block_size − 1 (default: all of them)."""
         n_draft = self.config.block_size - 1 if n_draft is None else n_draft
         if not 1 <= n_draft < self.config.block_size:
             raise ValueError(f"n_draft must be in 1..{self.config.block_size - 1} (got {n_draft})")
-        logits, _ = self.forward_block(self.block_tokens(anchor, n_draft + 1))
-        return [int(i) for i in logits[1:].argmax(axis=1)]
+        return [int(i) for i in self.block_logits(self.block_tokens(anchor, n_draft + 1))[1:].argmax(axis=1)]
