@@ -26,7 +26,8 @@ import numpy.typing as npt
 
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft
-from edgespec.errors import EdgespecError, ModelLoadError, VocabMismatchError
+from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
+from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.sampling import SamplingParams, process, sample
 
 F32 = npt.NDArray[np.float32]
@@ -167,31 +168,12 @@ class EagleDrafter:
 
 def is_eagle3_head(path: str | os.PathLike) -> bool:
     """Whether `path` is a GGUF file whose general.architecture is "eagle3" (reads the header only)."""
-    p = Path(path).expanduser()
-    if not p.is_file():  # "ngram", a model name: no need to import the gguf package (~3.5 MiB)
-        return False
-    from edgespec.heads.gguf_io import ARCH, read_gguf
-
-    try:
-        f = read_gguf(p, lambda k: k == "general.architecture", with_tensors=False)
-    except (ValueError, OSError):
-        return False
-    return f.value("general.architecture") == ARCH
-
-
-def _head_meta(path: str | os.PathLike) -> Any:
-    from edgespec.heads.gguf_io import read_gguf
-
-    keep = ("general.", "eagle3.", "tokenizer.ggml.tokens")
-    try:
-        return read_gguf(Path(path).expanduser(), lambda k: k.startswith(keep))
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"cannot read the EAGLE-3 head {path}: {e}") from None
+    return head_arch(path) == "eagle3"
 
 
 def head_target_layers(path: str | os.PathLike) -> tuple[int, ...]:
     """The target layer ids an EAGLE-3 head reads (eagle3.target_layers)."""
-    layers = _head_meta(path).value("eagle3.target_layers")
+    layers = head_meta(path, "eagle3").value("eagle3.target_layers")
     if not layers or len(layers) != 3:
         raise ModelLoadError(f"{path} is not a usable EAGLE-3 head: eagle3.target_layers is {layers!r}, expected 3 ids")
     return tuple(int(x) for x in layers)
@@ -208,65 +190,18 @@ def open_eagle3_target(target: str | os.PathLike, head: str | os.PathLike, backe
         backend: "llama.cpp" or "mlx".
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
-    from edgespec.heads.gguf_io import read_gguf
-    from edgespec.models import resolve_model
-
-    if backend not in ("llama.cpp", "mlx"):
-        raise EdgespecError(f"unknown backend {backend!r} (choose from llama.cpp, mlx)")
     layers = head_target_layers(head)
-    h_t = _head_meta(head).value("eagle3.target_hidden_size")
-    path = resolve_model(str(target))
-    try:  # hidden size and depth from the target's header, before its weights load
-        meta = read_gguf(path, lambda k: k == "general.architecture" or k.endswith((".embedding_length", ".block_count")),
-                         with_tensors=False) if path.is_file() else None
-    except (ValueError, OSError):
-        meta = None  # the backend reports what is wrong with the file
-    if meta is not None:
-        arch = meta.value("general.architecture")
-        n_embd, n_layer = meta.value(f"{arch}.embedding_length"), meta.value(f"{arch}.block_count")
-        if n_embd is not None and n_embd != h_t:
-            raise EdgespecError(f"EAGLE-3 head {head} was made for a target of hidden size {h_t}, but target "
-                                f"{path} has hidden size {n_embd}")
-        if n_layer is not None and not all(1 <= lid < n_layer for lid in layers):
-            raise EdgespecError(f"EAGLE-3 head {head} reads target layers {layers}, but target {path} has "
-                                f"{n_layer} layers (ids 1..{n_layer - 1} can be read)")
-    if backend == "mlx":
-        from edgespec.backends.mlx_features import MlxFeatureBackend
-
-        return MlxFeatureBackend(path, layers=layers, **options)
-    from edgespec.backends.llama_features import LlamaFeatureBackend
-
-    return LlamaFeatureBackend(path, layers=layers, **options)
+    h_t = head_meta(head, "eagle3").value("eagle3.target_hidden_size")
+    return open_feature_target(target, head, "eagle3", layers, h_t, backend, **options)
 
 
 def check_head_matches(head: str | os.PathLike, target: Backend) -> None:
     """Raise a one-line error unless `head` was made for `target`: a target that captures the head's
     layers, the same hidden size, vocabulary size and token texts, and H == H_t when the head
     borrows the target's token embeddings (as llama.cpp requires)."""
-    f = _head_meta(head)
-    layers = tuple(int(x) for x in f.value("eagle3.target_layers", []))
-    got = getattr(target, "feature_layers", None)
-    if got is None:
-        raise EdgespecError(f"EAGLE-3 head {head} needs a target opened with its features, as edgespec.load and "
-                            f"`generate/chat/bench/profile --drafter` open it (target {target.path})")
-    if tuple(got) != layers:
-        raise EdgespecError(f"EAGLE-3 head {head} reads target layers {layers}, but target {target.path} "
-                            f"captures {tuple(got)}")
+    f = head_meta(head, "eagle3")
     h_t, n_embd = f.value("eagle3.target_hidden_size"), f.value("eagle3.embedding_length")
-    tgt_embd = getattr(target, "n_embd", None)
-    if h_t != tgt_embd:
-        raise EdgespecError(f"EAGLE-3 head {head} was made for a target of hidden size {h_t}, but target "
-                            f"{target.path} has hidden size {tgt_embd}")
-    tokens = f.value("tokenizer.ggml.tokens") or []
-    n_vocab = f.value("eagle3.vocab_size") or len(tokens)
-    if n_vocab != target.n_vocab:
-        raise VocabMismatchError(f"EAGLE-3 head {head} has a vocabulary of {n_vocab} tokens, but target "
-                                 f"{target.path} has {target.n_vocab}")
-    text = target.vocab_fingerprint().token_text
-    first = next((i for i in range(5, min(len(tokens), target.n_vocab)) if tokens[i] != text(i)), None)
-    if first is not None:  # llama.cpp's rule: token texts agree from id 5 on
-        raise VocabMismatchError(f"EAGLE-3 head {head} cannot draft for target {target.path}: first differing "
-                                 f"token {first}: {tokens[first]!r} vs {text(first)!r}")
+    check_feature_target(f, "eagle3", head, target, h_t)
     if "token_embd.weight" not in f.tensors and n_embd != h_t:
         raise EdgespecError(f"EAGLE-3 head {head} has no token embeddings of its own and hidden size {n_embd}: "
                             f"it can borrow the target's only if that equals the target's {h_t}")
