@@ -44,8 +44,9 @@ def load(
         target: GGUF path or known model name (see `edgespec models list`), or an mlx-lm model directory
             with backend="mlx"; default SmolLM2-135M-Instruct.
         drafter: None (plain decoding), "ngram" (prompt lookup), a same-vocabulary GGUF path/name, or
-            an EAGLE-3 head GGUF (general.architecture "eagle3"): the target is then opened to capture
-            the hidden states the head reads, and the head runs on the same backend.
+            an EAGLE-3 or DFlash head GGUF (general.architecture "eagle3" / "dflash"): the target is
+            then opened to capture the hidden states the head reads, and the head runs on the same
+            backend (a DFlash head on an MLX target runs in numpy, untested there).
         backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
             model runs on the same backend).
         n_ctx: context size in tokens (target and draft model).
@@ -58,14 +59,14 @@ def load(
     Returns:
         An Engine (use it as a context manager, or call close()).
     """
-    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
+    from edgespec.drafters.feature_heads import is_feature_head, open_head_target
     from edgespec.models import DEFAULT_TARGET
 
     options = dict(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
-    head = drafter is not None and is_eagle3_head(drafter)
+    head = drafter is not None and is_feature_head(drafter)
     if backend not in BACKENDS:
         raise EdgespecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    tgt = (open_eagle3_target(target or DEFAULT_TARGET, drafter, backend, **options) if head  # type: ignore[arg-type]
+    tgt = (open_head_target(target or DEFAULT_TARGET, drafter, backend, **options) if head  # type: ignore[arg-type]
            else open_backend(target or DEFAULT_TARGET, backend, **options))
     try:
         return Engine(tgt, make_drafter(drafter, tgt, backend, **options), num_draft=num_draft)
@@ -77,7 +78,8 @@ def load(
 def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str = "llama.cpp",
                  **options) -> Drafter | None:
     """None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → prompt lookup; an EAGLE-3 head
-    GGUF → EagleDrafter (the target must capture its features: see `load`); else a draft model."""
+    GGUF → EagleDrafter, a DFlash head GGUF → DFlashDrafter (the target must capture their features:
+    see `load`); else a draft model."""
     if spec is None or str(spec).lower() == "none":
         return None
     text = str(spec)
@@ -86,10 +88,17 @@ def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str =
 
         sizes = [int(s) for s in text.split(":")[1:]]
         return NgramDrafter(*sizes)
-    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_drafter
+    from edgespec.drafters.feature_heads import head_arch
 
-    if is_eagle3_head(text):
+    arch = head_arch(text)
+    if arch == "eagle3":
+        from edgespec.drafters.eagle import open_eagle3_drafter
+
         return open_eagle3_drafter(text, target, threads=options.get("threads"))
+    if arch == "dflash":
+        from edgespec.drafters.dflash import open_dflash_drafter
+
+        return open_dflash_drafter(text, target, threads=options.get("threads"))
     from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 
     model = open_backend(text, backend, **options)

@@ -46,7 +46,7 @@ def bench(
     from edgespec.bench.profile import profile_path, time_forward
     from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
     from edgespec.bench.tasks import load_tasks
-    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
+    from edgespec.drafters.feature_heads import is_feature_head, open_head_target
     from edgespec.engine import Engine, check_num_draft
     from edgespec.errors import EdgespecError
     from edgespec.models import model_sha256
@@ -63,10 +63,10 @@ def bench(
         raise EdgespecError("-k 0 is plain decoding, which bench always runs: use -k >= 1 or auto")
     configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
-    heads = [d for d in (drafter or []) if is_eagle3_head(d)]
+    heads = [d for d in (drafter or []) if is_feature_head(d)]
     # a head drafts from target features: speculative runs use a target that captures them, plain runs a
     # plain backend of the same file, so plain tok/s does not pay for the capture
-    engine = Engine(open_eagle3_target(target, heads[0], backend, threads=threads, n_ctx=ctx) if heads
+    engine = Engine(open_head_target(target, heads[0], backend, threads=threads, n_ctx=ctx) if heads
                     else open_backend(target, backend, threads=threads, n_ctx=ctx))
     plain_engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx)) if heads else None
     drafters = {}

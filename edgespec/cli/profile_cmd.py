@@ -38,7 +38,7 @@ def profile(
         time_forward,
     )
     from edgespec.bench.tasks import load_tasks
-    from edgespec.drafters.eagle import is_eagle3_head, open_eagle3_target
+    from edgespec.drafters.feature_heads import is_feature_head, open_head_target
     from edgespec.engine import Engine
 
     threads = threads or default_threads()
@@ -57,11 +57,11 @@ def profile(
         prof = load_profile(cached)
         assert prof is not None
         ui.status(f"saved {cached}")
-    if drafter not in ("none", "ngram") and is_eagle3_head(drafter):
+    if drafter not in ("none", "ngram") and is_feature_head(drafter):
         # T(k) above is the plain target's; a head drafts from features, so acceptance runs on a
         # target that captures them
         target.close()
-        target = open_eagle3_target(model, drafter, threads=threads, n_ctx=2048)
+        target = open_head_target(model, drafter, threads=threads, n_ctx=2048)
     engine = Engine(target, make_drafter(None if drafter == "none" else drafter, target, threads=threads,
                                          n_ctx=2048))
     try:

@@ -1,0 +1,220 @@
+"""DFlash drafting: a block-parallel head proposes up to B−1 tokens in one forward pass.
+
+The pairing is llama.cpp's (common/speculative.cpp ``common_speculative_impl_draft_dflash``,
+0.3.36), restated for edgespec's view of the context: the committed context c_0..c_{N-1}
+(c_{N-1} is the pending token, not yet in the target's KV cache) fills head positions
+P = 0..N-2 with the target's fused features f_P (injected as K/V). A draft of n ≤ B−1 tokens is
+one block [c_{N-1}, MASK×n] at positions N-1..N-1+n, whose rows 1..n give the logits of
+x̃₁..x̃ₙ (llama.cpp decodes n_max + 1 block tokens the same way). The rows are computed together,
+so q_i depends on the context only, never on x̃_{<i}: sampling each x̃ᵢ from q_i and verifying
+with those q rows is exact speculative sampling.
+
+The head's cache is synced to each call's context by common prefix, like EagleDrafter's: rows of
+positions whose tokens changed are dropped and re-injected from the target's features, so partial
+rejection, full acceptance and new prompts need no special case. The block's own K/V never stay.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.backends.base import Backend
+from edgespec.drafters.base import Draft
+from edgespec.drafters.eagle import FeatureTarget
+from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
+from edgespec.errors import EdgespecError, ModelLoadError
+from edgespec.sampling import SamplingParams, process, sample
+
+F32 = npt.NDArray[np.float32]
+HeadImpl = Literal["auto", "numpy", "llama"]
+
+
+class DFlashRunner(Protocol):
+    """What the drafter needs from a head: heads.dflash.DFlashHead (numpy) or
+    heads.dflash_llama.LlamaDFlashHead (libllama)."""
+
+    @property
+    def n_past(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def inject(self, features: F32) -> Any: ...
+
+    def truncate(self, n_past: int) -> None: ...
+
+    def block_tokens(self, anchor: int, n: int | None = None) -> list[int]: ...
+
+    def block_logits(self, tokens: Sequence[int]) -> F32: ...
+
+
+class DFlashDrafter:
+    """Block drafting with a DFlash head: greedy takes each block row's argmax, sampling draws each
+    position from its processed distribution (sampling.process, as for the target) and returns
+    those q rows.
+
+    Args:
+        head: the head (its logits must span the target's vocabulary).
+        target: the target backend whose features the head reads; the engine keeps its KV cache at
+            the context minus the pending token, which is what `sync` needs.
+    """
+
+    name = "dflash"
+
+    def __init__(self, head: DFlashRunner, target: FeatureTarget) -> None:
+        self.head, self.target = head, target
+        self._ctx: list[int] = []  # the tokens of head positions 0..n_past-1
+        self._synced = 0
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Bring the head's context cache to the features of `context` minus its last token."""
+        n = len(context) - 1
+        if self.target.n_past < n:
+            raise EdgespecError(f"the DFlash drafter needs target features of the {n} context tokens before "
+                                f"the last, but the target has evaluated {self.target.n_past}")
+        common = 0
+        for a, b in zip(self._ctx, context):
+            if a != b:
+                break
+            common += 1
+        keep = max(0, min(common, n, self.head.n_past))
+        self.head.truncate(keep)
+        self._ctx = list(context[:keep])
+        if keep < n:
+            self.head.inject(self.target.features(keep, n))
+        self._ctx = list(context[:n])
+        self._synced = max(0, n - keep - 1)  # rows beyond the one a cycle normally adds
+
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        """Propose at most min(`gamma`, B−1) tokens after `context` (see drafters.base.Drafter)."""
+        n = min(gamma, self.head.block_size - 1)
+        if n <= 0 or not context:
+            return Draft([])
+        self.sync(context)
+        rows = self.head.block_logits(self.head.block_tokens(context[-1], n + 1))[1:]  # (n, V)
+        tokens: list[int] = []
+        q_rows: list[npt.NDArray[np.float64]] = []
+        conf: list[float] = []
+        for logits in rows:
+            # confidence in this position before its token is drawn (see Draft.confidence): the top
+            # probability (greedy: of the raw softmax over the draft vocabulary)
+            q = None if params.greedy else process(logits, params)
+            conf.append(float(1.0 / np.exp(logits - logits.max()).sum()) if q is None else float(q.max()))
+            if stop is not None and stop(conf):
+                conf.pop()
+                break
+            tokens.append(int(np.argmax(logits)) if q is None else sample(q, rng))
+            if q is not None:
+                q_rows.append(q)
+        return Draft(tokens, np.stack(q_rows) if q_rows else None, conf, self._synced)
+
+    def measure_ms_per_token(self, repeats: int = 8) -> float:
+        """The scheduler's prior for this drafter's cost per draft token: the median ms of a block of
+        g + 1 tokens and its argmaxes, divided by its g drafts, g = min(4, B−1) (the scheduler's
+        slow start; a block's cost grows slowly with g, so this overestimates longer drafts). Timed
+        after the cached context; the block leaves the cache as it was."""
+        g = min(4, self.head.block_size - 1)
+        n_ctx = getattr(self.head, "n_ctx", None)  # the libllama head's context
+        if n_ctx is not None and self.head.n_past + g + 1 > n_ctx:
+            self._ctx = []  # no room after the cached context: forget it
+            self.head.truncate(0)
+        tokens = self.head.block_tokens(0, g + 1)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            self.head.block_logits(tokens)[1:].argmax(axis=1)
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times[1:]) / g  # the first call warms caches
+
+    def close(self) -> None:
+        close = getattr(self.head, "close", None)
+        if close is not None:
+            close()
+
+
+# -- opening a head file ------------------------------------------------------------------------------
+
+
+def is_dflash_head(path: str | os.PathLike) -> bool:
+    """Whether `path` is a GGUF file whose general.architecture is "dflash" (reads the header only)."""
+    return head_arch(path) == "dflash"
+
+
+def dflash_target_layers(path: str | os.PathLike) -> tuple[int, ...]:
+    """The target layer ids a DFlash head reads (dflash.target_layers: llama.cpp extract ids, the
+    INPUT of each target layer, as the feature backends take them)."""
+    layers = head_meta(path, "dflash").value("dflash.target_layers")
+    if not layers:
+        raise ModelLoadError(f"{path} is not a usable DFlash head: dflash.target_layers is {layers!r}")
+    return tuple(int(x) for x in layers)
+
+
+def open_dflash_target(target: str | os.PathLike, head: str | os.PathLike, backend: str = "llama.cpp",
+                       **options: Any) -> Backend:
+    """Open a target that captures the features `head` reads (LlamaFeatureBackend, or
+    MlxFeatureBackend with backend="mlx"): its layers, refused unless the target's hidden size is
+    the head's (llama.cpp's dflash requires H == H_t) and the ids are in 1..n_layer−1.
+
+    Args:
+        target: the target GGUF path or known model name (on "mlx" also an mlx-lm directory).
+        head: the DFlash head GGUF.
+        backend: "llama.cpp" or "mlx".
+        **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
+    """
+    hidden = head_meta(head, "dflash").value("dflash.embedding_length")
+    return open_feature_target(target, head, "dflash", dflash_target_layers(head), hidden, backend, **options)
+
+
+def check_dflash_head(head: str | os.PathLike, target: Backend) -> None:
+    """Raise a one-line error unless `head` was made for `target`: a target that captures the head's
+    layers, hidden size == the head's, the same vocabulary size and token texts."""
+    f = head_meta(head, "dflash")
+    check_feature_target(f, "dflash", head, target, f.value("dflash.embedding_length"))
+
+
+def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadImpl = "auto",
+                        threads: int | None = None) -> DFlashDrafter:
+    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head.
+
+    Args:
+        head: the DFlash head GGUF.
+        target: the feature target.
+        impl: "llama" runs the head on libllama (LlamaDFlashHead, tested equal to numpy), "numpy" on
+            the numpy reference (token embeddings / LM head the head lacks are read from the
+            target's GGUF); "auto" takes libllama for a llama.cpp target, numpy otherwise.
+        threads: CPU threads of the libllama head (default: the target's).
+    """
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+
+    if impl not in ("auto", "numpy", "llama"):
+        raise ValueError(f"impl must be 'auto', 'numpy' or 'llama' (got {impl!r})")
+    check_dflash_head(head, target)
+    runner: DFlashRunner
+    if impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend)):
+        from edgespec.heads.dflash_llama import LlamaDFlashHead
+
+        if not isinstance(target, LlamaCppBackend):
+            raise EdgespecError(f"the libllama DFlash head needs a llama.cpp target (got {target.name})")
+        runner = LlamaDFlashHead(head, target, threads=threads)
+    else:
+        from edgespec.heads.dflash import DFlashHead
+        from edgespec.heads.dflash_gguf import read_dflash_gguf
+        from edgespec.heads.gguf_io import read_gguf
+
+        config, tensors = read_dflash_gguf(Path(head).expanduser())
+        embd = output = None
+        if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
+            t = read_gguf(target.path)
+            embd = t.tensor("token_embd.weight")
+            output = t.tensor("output.weight") if "output.weight" in t.tensors else embd
+        runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
+    return DFlashDrafter(runner, target)
