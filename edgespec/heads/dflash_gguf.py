@@ -27,12 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
-from edgespec.heads.gguf_io import WEIGHT_TYPES, read_gguf, tokenizer_fields
+from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 ARCH = "dflash"
 MASK_KEY = "tokenizer.ggml.mask_token_id"
@@ -60,33 +58,10 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
     Returns:
         ``path`` as a Path.
     """
-    if weight_type not in WEIGHT_TYPES:
-        raise ValueError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)} (got {weight_type!r})")
     config.check_tensors(tensors)
-    path = Path(path)
-    tok = tokenizer_fields(vocab_source)
-    n_vocab = len(tok["tokenizer.ggml.tokens"][0])
-    if n_vocab != config.n_vocab:
-        raise ValueError(f"{vocab_source} has {n_vocab} tokens but the head's config says n_vocab={config.n_vocab}")
-    tok.pop(MASK_KEY, None)
-    qtype = WEIGHT_TYPES[weight_type]
-    w = gguf.GGUFWriter(path, ARCH)
-    w.add_name(name)
-    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[weight_type])
-    w.add_context_length(config.context_length)
-    w.add_embedding_length(config.n_embd)
-    w.add_block_count(config.n_layer)
-    w.add_feed_forward_length(config.n_ff)
-    w.add_head_count(config.n_head)
-    w.add_head_count_kv(config.n_head_kv)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_layer_norm_rms_eps(config.rms_eps)
-    w.add_rope_freq_base(config.rope_base)
-    w.add_rope_dimension_count(config.n_rot)
-    w.add_vocab_size(config.n_vocab)
-    w.add_key_value(f"{ARCH}.target_layers", list(config.target_layers), gguf.GGUFValueType.ARRAY,
-                    gguf.GGUFValueType.INT32)
+    w, tok = start_head_file(path, ARCH, config, n_layer=config.n_layer, vocab_source=vocab_source,
+                             weight_type=weight_type, name=name)
+    tok.pop(MASK_KEY, None)  # the config's mask id replaces the target's
     w.add_uint32(f"{ARCH}.block_size", config.block_size)
     w.add_bool(f"{ARCH}.attention.causal", config.causal)
     w.add_string(f"{ARCH}.hidden_activation", "silu")
@@ -94,26 +69,9 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
                        ("attention.value_scale", config.value_scale)):
         if value:
             w.add_float32(f"{ARCH}.{key}", value)
-    for key, (value, vtype, sub) in tok.items():
-        w.add_key_value(key, value, vtype, sub)
     w.add_uint32(MASK_KEY, config.mask_token_id)
-    for key, text in (extra_kv or {}).items():
-        w.add_string(key, text)
-    for tname, arr in tensors.items():
-        if tname == "d2t":
-            w.add_tensor(tname, np.ascontiguousarray(arr, np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
-            continue
-        arr = np.ascontiguousarray(arr, np.float32)
-        t = qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32
-        if t == gguf.GGMLQuantizationType.Q8_0 and arr.shape[-1] % 32:
-            t = gguf.GGMLQuantizationType.F16
-        data = gguf.quants.quantize(arr, t)
-        w.add_tensor(tname, data, raw_dtype=t if data.dtype == np.uint8 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    finish_head_file(w, tok, tensors, weight_type, extra_kv)
+    return Path(path)
 
 
 def read_dflash_gguf(path: str | Path) -> tuple[DFlashConfig, dict[str, npt.NDArray[Any]]]:

@@ -157,21 +157,34 @@ def write_eagle3_gguf(path: str | Path, config: Eagle3Config, tensors: Mapping[s
     Returns:
         ``path`` as a Path.
     """
+    config.check_tensors(tensors)
+    w, tok = start_head_file(path, ARCH, config, n_layer=1, vocab_source=vocab_source, weight_type=weight_type,
+                             name=name)
+    w.add_uint32(f"{ARCH}.target_hidden_size", config.n_embd_tgt)
+    w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
+    w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
+    finish_head_file(w, tok, tensors, weight_type, extra_kv)
+    return Path(path)
+
+
+def start_head_file(path: str | Path, arch: str, config: Any, *, n_layer: int, vocab_source: str | Path,
+                    weight_type: str, name: str) -> tuple[gguf.GGUFWriter, dict[str, Any]]:
+    """A GGUF writer for a draft head of architecture ``arch`` with the llama hyperparameters every
+    head layout shares (context_length … vocab_size, ``<arch>.target_layers``) already added, and the
+    target's ``tokenizer.*`` fields for ``finish_head_file``. ``config`` has the attributes of
+    Eagle3Config/DFlashConfig; its n_vocab must match the vocabulary source."""
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)} (got {weight_type!r})")
-    config.check_tensors(tensors)
-    path = Path(path)
     tok = tokenizer_fields(vocab_source)
     n_vocab = len(tok["tokenizer.ggml.tokens"][0])
     if n_vocab != config.n_vocab:
         raise ValueError(f"{vocab_source} has {n_vocab} tokens but the head's config says n_vocab={config.n_vocab}")
-    qtype = WEIGHT_TYPES[weight_type]
-    w = gguf.GGUFWriter(path, ARCH)
+    w = gguf.GGUFWriter(Path(path), arch)
     w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[weight_type])
     w.add_context_length(config.context_length)
     w.add_embedding_length(config.n_embd)
-    w.add_block_count(1)
+    w.add_block_count(n_layer)
     w.add_feed_forward_length(config.n_ff)
     w.add_head_count(config.n_head)
     w.add_head_count_kv(config.n_head_kv)
@@ -181,11 +194,16 @@ def write_eagle3_gguf(path: str | Path, config: Eagle3Config, tensors: Mapping[s
     w.add_rope_freq_base(config.rope_base)
     w.add_rope_dimension_count(config.n_rot)
     w.add_vocab_size(config.n_vocab)
-    w.add_key_value(f"{ARCH}.target_layers", list(config.target_layers), gguf.GGUFValueType.ARRAY,
+    w.add_key_value(f"{arch}.target_layers", list(config.target_layers), gguf.GGUFValueType.ARRAY,
                     gguf.GGUFValueType.INT32)
-    w.add_uint32(f"{ARCH}.target_hidden_size", config.n_embd_tgt)
-    w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
-    w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
+    return w, tok
+
+
+def finish_head_file(w: gguf.GGUFWriter, tok: Mapping[str, Any], tensors: Mapping[str, npt.NDArray[Any]],
+                     weight_type: str, extra_kv: Mapping[str, str] | None) -> None:
+    """Add the tokenizer fields, ``extra_kv`` and the tensors (2-D weights in ``weight_type``, a Q8_0
+    matrix whose rows are not a multiple of 32 values as F16; 1-D F32; d2t I64), write and close."""
+    qtype = WEIGHT_TYPES[weight_type]
     for key, (value, vtype, sub) in tok.items():
         w.add_key_value(key, value, vtype, sub)
     for key, text in (extra_kv or {}).items():
@@ -204,7 +222,6 @@ def write_eagle3_gguf(path: str | Path, config: Eagle3Config, tensors: Mapping[s
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 def read_eagle3_gguf(path: str | Path) -> tuple[Eagle3Config, dict[str, npt.NDArray[Any]]]:
