@@ -30,6 +30,12 @@ class Draft:
     support: int | None = None  # n-gram drafters: how many context tokens the match they copy spans
 
 
+def confidence(logits: npt.NDArray[np.float32], q: npt.NDArray[np.float64] | None) -> float:
+    """A position's confidence, known before its token is drawn (see Draft.confidence): the top
+    probability of q when sampling, of the raw softmax of `logits` when greedy (q None)."""
+    return float(q.max()) if q is not None else float(1.0 / np.exp(logits - logits.max()).sum())
+
+
 class Drafter(Protocol):
     name: str
 

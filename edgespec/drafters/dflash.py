@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft
+from edgespec.drafters.base import Draft, confidence
 from edgespec.drafters.eagle import FeatureTarget
 from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
 from edgespec.errors import EdgespecError, ModelLoadError
@@ -105,10 +105,8 @@ class DFlashDrafter:
         q_rows: list[npt.NDArray[np.float64]] = []
         conf: list[float] = []
         for logits in rows:
-            # confidence in this position before its token is drawn (see Draft.confidence): the top
-            # probability (greedy: of the raw softmax over the draft vocabulary)
             q = None if params.greedy else process(logits, params)
-            conf.append(float(1.0 / np.exp(logits - logits.max()).sum()) if q is None else float(q.max()))
+            conf.append(confidence(logits, q))
             if stop is not None and stop(conf):
                 conf.pop()
                 break

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft
+from edgespec.drafters.base import Draft, confidence
 from edgespec.errors import ContextOverflowError, VocabMismatchError
 from edgespec.sampling import SamplingParams, process, sample
 
@@ -74,10 +74,7 @@ class DraftModelDrafter:
                 logits = self.model.eval(feed, rows="last")[0]
                 self._kv.extend(feed)
                 q = _fit(process(logits, params), self.n_vocab)  # (V_target,)
-                # confidence in this position, known before its token is drawn: the top probability
-                # (greedy: of the raw softmax). Never q(x̃) itself: see Draft.confidence.
-                conf.append(float(q.max()) if not params.greedy
-                            else float(1.0 / np.exp(logits - logits.max()).sum()))
+                conf.append(confidence(logits, None if params.greedy else q))
                 if stop is not None and stop(conf):
                     conf.pop()
                     break

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft
+from edgespec.drafters.base import Draft, confidence
 from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
 from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.sampling import SamplingParams, process, sample
@@ -116,13 +116,9 @@ class EagleDrafter:
         conf: list[float] = []
         q = None
         while True:
-            # confidence in this position before its token is drawn: the top probability (greedy: of
-            # the raw softmax over the draft vocabulary). Never q(x̃) itself: see Draft.confidence.
-            if params.greedy:
-                conf.append(float(1.0 / np.exp(logits - logits.max()).sum()))
-            else:
+            if not params.greedy:
                 q = process(logits, params)  # (V,), zero outside the draft vocabulary
-                conf.append(float(q.max()))
+            conf.append(confidence(logits, q))
             if stop is not None and stop(conf):
                 conf.pop()
                 break
