@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.eagle3 import causal_attention, rms_norm, rope_norm, silu
+from edgespec.heads.eagle3 import attention, rms_norm, rope_norm, silu
 from edgespec.heads.gguf_io import read_gguf
 
 F32 = npt.NDArray[np.float32]
@@ -46,7 +46,7 @@ class LlamaWeights:
         k = (y @ W[b + "attn_k.weight"].T).astype(np.float32).reshape(n, self.n_head_kv, d)
         v = (y @ W[b + "attn_v.weight"].T).astype(np.float32).reshape(n, self.n_head_kv, d)
         q, k = rope_norm(q, pos, d, self.rope_base), rope_norm(k, pos, d, self.rope_base)
-        x = (causal_attention(q, k, v, pos, pos).astype(np.float64) @ W[b + "attn_output.weight"].T + x)
+        x = (attention(q, k, v, pos, pos, 1.0 / np.sqrt(d)).astype(np.float64) @ W[b + "attn_output.weight"].T + x)
         x = x.astype(np.float32)
         y = rms_norm(x, W[b + "ffn_norm.weight"], self.eps).astype(np.float64)
         ff = silu((y @ W[b + "ffn_gate.weight"].T).astype(np.float32)) * (y @ W[b + "ffn_up.weight"].T)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.eagle3 import rms_norm, silu
+from edgespec.heads.eagle3 import attention, rms_norm, silu
+from edgespec.heads.eagle3 import random_tensors as random_tensors  # DFlashConfig heads too (re-exported)
 
 F32 = npt.NDArray[np.float32]
 _LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -127,24 +128,6 @@ class DFlashConfig:
                 raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
 
 
-def random_tensors(config: DFlashConfig, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
-                   std: float = 1.0, own_embd: bool = False) -> dict[str, npt.NDArray]:
-    """A randomly initialised head: norms = 1, matrices ~ N(0, std²/fan_in), d2t = ``d2t`` or the
-    first V_d target ids; ``own_embd`` adds a token_embd (V, H) ~ N(0, 1)."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, npt.NDArray] = {}
-    for name, shape in config.shapes(own_embd=own_embd).items():
-        if name == "d2t":
-            out[name] = np.arange(config.n_draft_vocab, dtype=np.int64) if d2t is None else np.asarray(d2t, np.int64)
-        elif len(shape) == 1:
-            out[name] = np.ones(shape, np.float32)
-        elif name == "token_embd.weight":
-            out[name] = rng.standard_normal(shape, dtype=np.float32)
-        else:
-            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std / np.sqrt(shape[1]))
-    return out
-
-
 def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
     """ggml_rope_ext in NeoX mode (LLAMA_ROPE_TYPE_NEOX): rotate pairs (x[i], x[i + n_rot/2]) by
     pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
@@ -156,22 +139,6 @@ def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float)
     out[..., :half] = x0 * cos - x1 * sin
     out[..., half:n_rot] = x0 * sin + x1 * cos
     return out.astype(np.float32)
-
-
-def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64],
-              scale: float, causal: bool) -> F32:
-    """softmax(scale·q·kᵀ) · v over all keys (``causal``: keys at positions ≤ the query's); GQA: query
-    head h reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
-    n, n_head, d = q.shape
-    group = n_head // k.shape[1]
-    kh = np.repeat(k.astype(np.float64), group, axis=1)
-    vh = np.repeat(v.astype(np.float64), group, axis=1)
-    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) * scale
-    if causal:
-        s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
-    s = np.exp(s - s.max(axis=-1, keepdims=True))
-    s /= s.sum(axis=-1, keepdims=True)
-    return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
 
 
 def _mm(x: npt.NDArray, w: F32) -> F32:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -103,17 +103,20 @@ class Eagle3Config:
                 raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
 
 
-def random_tensors(config: Eagle3Config, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
-                   std: float = 1.0) -> dict[str, npt.NDArray]:
-    """A randomly initialised head: norms = 1, matrices ~ N(0, std²/fan_in), d2t = ``d2t`` or the
-    first V_d target ids."""
+def random_tensors(config: Any, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
+                   std: float = 1.0, own_embd: bool = False) -> dict[str, npt.NDArray]:
+    """A randomly initialised head (Eagle3Config or DFlashConfig): norms = 1, matrices ~
+    N(0, std²/fan_in), d2t = ``d2t`` or the first V_d target ids; ``own_embd`` adds a token_embd
+    (V, H) ~ N(0, 1)."""
     rng = np.random.default_rng(seed)
     out: dict[str, npt.NDArray] = {}
-    for name, shape in config.shapes().items():
+    for name, shape in config.shapes(own_embd=own_embd).items():
         if name == "d2t":
             out[name] = np.arange(config.n_draft_vocab, dtype=np.int64) if d2t is None else np.asarray(d2t, np.int64)
         elif len(shape) == 1:
             out[name] = np.ones(shape, np.float32)
+        elif name == "token_embd.weight":
+            out[name] = rng.standard_normal(shape, dtype=np.float32)
         else:
             out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std / np.sqrt(shape[1])))
     return out
@@ -138,15 +141,17 @@ def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float)
     return out.astype(np.float32)
 
 
-def causal_attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64]) -> F32:
-    """softmax(q·kᵀ/√d) · v with each query seeing keys at positions ≤ its own; GQA: query head h
-    reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
+def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64],
+              scale: float, causal: bool = True) -> F32:
+    """softmax(scale·q·kᵀ) · v (``causal``: each query sees keys at positions ≤ its own); GQA: query
+    head h reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
     n, n_head, d = q.shape
     group = n_head // k.shape[1]
     kh = np.repeat(k.astype(np.float64), group, axis=1)  # (m, n_head, d)
     vh = np.repeat(v.astype(np.float64), group, axis=1)
-    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) / np.sqrt(d)
-    s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) * scale
+    if causal:
+        s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
     s = np.exp(s - s.max(axis=-1, keepdims=True))
     s /= s.sum(axis=-1, keepdims=True)
     return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
@@ -241,7 +246,7 @@ class Eagle3Head:
         q, k = rope_norm(q, pos, c.n_rot, c.rope_base), rope_norm(k, pos, c.n_rot, c.rope_base)
         self._k, self._v = np.concatenate([self._k, k]), np.concatenate([self._v, v])
         kpos = np.arange(self.n_past, dtype=np.int64)
-        a = causal_attention(q, self._k, self._v, pos, kpos)
+        a = attention(q, self._k, self._v, pos, kpos, 1.0 / np.sqrt(c.head_dim))
         r = (a.astype(np.float64) @ t[BLK + "attn_output.weight"].T + (gn if c.norm_before_residual else g)).astype(np.float32)
         y = rms_norm(r, t[BLK + "ffn_norm.weight"], c.rms_eps).astype(np.float64)
         ff = silu((y @ t[BLK + "ffn_gate.weight"].T).astype(np.float32)) * (y @ t[BLK + "ffn_up.weight"].T)
