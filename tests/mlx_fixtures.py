@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 LM_HEAD_GAIN = 1.5  # next-token logits ~ N(0, 1.5²): peaked, yet several tokens keep real mass
 
@@ -65,3 +66,13 @@ def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llam
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+@pytest.fixture(scope="module")
+def own_mlx_home(tmp_path_factory: pytest.TempPathFactory):
+    """Converted models are cached under $EDGESPEC_HOME/mlx: keep a test module's out of the user's.
+    Modules that convert GGUFs import it and mark themselves ``usefixtures("own_mlx_home")``."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGESPEC_HOME", str(tmp_path_factory.mktemp("home")))
+    yield
+    mp.undo()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from eagle_fixtures import fit_tiny_head
 from gguf_fixtures import build_tiny_llama
+from mlx_fixtures import own_mlx_home  # noqa: F401 (used by pytestmark)
 from test_eagle3_drafter import FIT_PROMPTS, HELD_OUT
 from typer.testing import CliRunner
 
@@ -25,16 +26,7 @@ from edgespec.errors import EdgespecError  # noqa: E402
 from edgespec.heads.eagle3_mlx import MlxEagle3Head  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.real  # the fixtures copy SmolLM2's tokenizer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_home(tmp_path_factory):
-    """Converted models are cached under $EDGESPEC_HOME/mlx: keep the test's out of the user's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGESPEC_HOME", str(tmp_path_factory.mktemp("home")))
-    yield
-    mp.undo()
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("own_mlx_home")]  # the fixtures copy SmolLM2's tokenizer
 
 
 @pytest.fixture(scope="module")

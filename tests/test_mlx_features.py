@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_fixtures import build_tiny_llama
+from mlx_fixtures import own_mlx_home  # noqa: F401 (used by pytestmark)
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
@@ -16,6 +17,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edge
 from edgespec.backends.llama_features import LlamaFeatureBackend  # noqa: E402
 from edgespec.backends.mlx_features import MlxFeatureBackend  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("own_mlx_home")
 TOKENS = [1, 504, 2113, 6356, 17, 314, 2595, 4110, 282, 253, 9, 3000]
 TOL = 1e-3  # of the feature range (max - min over all rows)
 
@@ -26,15 +28,6 @@ class _ExactAttention(LlamaFeatureBackend):
     def _configure_context(self, cp):
         super()._configure_context(cp)
         cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_home(tmp_path_factory):
-    """Converted models are cached under $EDGESPEC_HOME/mlx: keep the test's out of the user's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGESPEC_HOME", str(tmp_path_factory.mktemp("home")))
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

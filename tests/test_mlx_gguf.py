@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mlx_fixtures import own_mlx_home  # noqa: F401 (used by pytestmark)
 from typer.testing import CliRunner
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
@@ -15,18 +16,9 @@ import edgespec  # noqa: E402
 from edgespec.api import open_backend  # noqa: E402
 from edgespec.cli import app as cli  # noqa: E402
 
-pytestmark = pytest.mark.real  # the fixtures copy SmolLM2's tokenizer
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("own_mlx_home")]  # the fixtures copy SmolLM2's tokenizer
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n", "1, 2, 3, 4, 5,",
            "Once upon a time, in a village", "Q: What is the boiling point of water?\nA:"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_home(tmp_path_factory):
-    """Converted models are cached under $EDGESPEC_HOME/mlx: keep the test's out of the user's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGESPEC_HOME", str(tmp_path_factory.mktemp("home")))
-    yield
-    mp.undo()
 
 
 def test_converted_f32_model_matches_llama_cpp(tiny_target):
