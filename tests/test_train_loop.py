@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from train_fixtures import LAYERS, SEQ, build_caches  # noqa: E402
+
 from edgespec.backends.llama_features import LlamaFeatureBackend  # noqa: E402
 from edgespec.heads.eagle3 import Eagle3Head  # noqa: E402
 from edgespec.heads.gguf_io import read_eagle3_gguf  # noqa: E402
@@ -17,26 +19,12 @@ from edgespec.train import prompts as P  # noqa: E402
 from edgespec.train.data import local_corpus  # noqa: E402
 from edgespec.train.features import CachePlan, FeatureCache, build_cache  # noqa: E402
 from edgespec.train.model import TorchEagle3  # noqa: E402
-from edgespec.train.pipeline import target_info  # noqa: E402
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors  # noqa: E402
-
-LAYERS = (1, 1, 1)  # the tiny target has 2 layers: id 1 is its only valid feature layer
-SEQ = 64
 
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory, tiny_target):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("train")
-    texts = list(local_corpus(max_chars=24_000, seed=0))
-    with LlamaFeatureBackend(tiny_target, layers=LAYERS, n_ctx=256, threads=1) as be:
-        plan = CachePlan(target=str(tiny_target), target_size=1, seq_len=SEQ, corpus_chars=24_000, n_prompts=2,
-                         gen_tokens=24)
-        train = build_cache(be, root / "train", plan, texts, P.TRAIN_PROMPTS[:2])
-        held = build_cache(be, root / "held", plan, [], P.HELDOUT_PROMPTS[:3])
-    info = target_info(tiny_target)
-    d2t = train.d2t(len(info["tok_embd"]), 512)
-    return train, held, info, d2t
+    return build_caches(tmp_path_factory, tiny_target)
 
 
 def _trainer(caches, **kw) -> Trainer:

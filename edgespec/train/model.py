@@ -15,8 +15,9 @@ P−k+2..P in steps 2..k — the cache the head sees at inference when drafting 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +25,27 @@ import torch
 from torch import nn
 
 from edgespec.heads.eagle3 import Eagle3Config
+
+
+class TrainableHead(Protocol):
+    """What ``Trainer`` needs of a head: GGUF-named parameters, d2t, a config (a dataclass, stored
+    in checkpoints), its loss and acceptance count on one cached sequence, and its GGUF export."""
+
+    config: Any
+    d2t: torch.Tensor
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
+
+    def sequence_loss(self, seq: Mapping[str, torch.Tensor], t2d: torch.Tensor, train: Any,
+                      steps: int | None = None, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, Any]: ...
+
+    def acceptance_counts(self, right: Any) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+
+    def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
+               extra_kv: Mapping[str, str] | None = None) -> Path: ...
 
 
 def _attr(name: str) -> str:
@@ -44,7 +66,61 @@ def rope_norm(x: torch.Tensor, pos: torch.Tensor, n_rot: int, base: float) -> to
     return torch.cat([rot, x[..., n_rot:]], dim=-1)
 
 
-class TorchEagle3(nn.Module):
+def soft_labels(t2d: torch.Tensor, ids: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The target's cached top-K next-token distribution restricted to the draft vocabulary and
+    renormalised. ids, lp: (..., K) target ids and logprobs → (draft ids (..., K) with −1 outside,
+    probabilities (..., K), kept mass (..., 1): 0 where none of the top-K is in the draft vocabulary)."""
+    d = t2d[ids]
+    p = torch.exp(lp) * (d >= 0)
+    mass = p.sum(-1, keepdim=True)
+    return d, p / mass.clamp_min(1e-12), mass
+
+
+def soft_ce(z: torch.Tensor, d: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """−Σ p·log q over the top-K: z (..., V_d) draft logits, d/p from ``soft_labels`` → (...)."""
+    return -(p * torch.log_softmax(z, dim=-1).gather(-1, d.clamp_min(0))).sum(-1)
+
+
+def chain_counts(right: torch.Tensor) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """right (chains, depth) bool: draft k of a chain is right → (hits, counts) per position k, a hit
+    at k being a chain whose drafts 1..k are all right."""
+    r = right.numpy().astype(bool)
+    return np.cumprod(r, axis=1).sum(0).astype(np.float64), np.full(r.shape[1], float(len(r)))
+
+
+class GGUFHead(nn.Module):
+    """Trainable GGUF-named parameters (``blk.0.attn_q.weight`` → attribute ``blk_0_attn_q_weight``),
+    the head's d2t and the target's frozen token embeddings (a buffer, not exported).
+
+    Args:
+        names: the GGUF tensor names that become parameters.
+        tensors: initial values (numpy), ``d2t`` included when V_d < V.
+        n_vocab: V (d2t defaults to the identity).
+        tok_embd: the target's token embeddings (V, H).
+    """
+
+    def __init__(self, names: list[str], tensors: Mapping[str, npt.NDArray[Any]], n_vocab: int,
+                 tok_embd: npt.NDArray[np.float32]) -> None:
+        super().__init__()
+        self.names = names
+        for n in self.names:
+            setattr(self, _attr(n), nn.Parameter(torch.tensor(np.asarray(tensors[n], np.float32))))
+        d2t = tensors.get("d2t", np.arange(n_vocab))
+        self.register_buffer("d2t", torch.tensor(np.asarray(d2t, np.int64)), persistent=True)
+        self.register_buffer("tok_embd", torch.tensor(np.asarray(tok_embd, np.float32)), persistent=False)
+
+    def p(self, name: str) -> torch.Tensor:
+        return getattr(self, _attr(name))
+
+    def to_numpy(self) -> dict[str, npt.NDArray[Any]]:
+        """GGUF tensor name → numpy array (float32; d2t int64 when V_d < V), for the GGUF writers."""
+        out: dict[str, npt.NDArray[Any]] = {n: self.p(n).detach().cpu().numpy().copy() for n in self.names}
+        if len(self.d2t) < len(self.tok_embd):
+            out["d2t"] = self.d2t.cpu().numpy().copy()
+        return out
+
+
+class TorchEagle3(GGUFHead):
     """EAGLE-3 head (trainable) over a frozen target token embedding.
 
     Args:
@@ -55,25 +131,9 @@ class TorchEagle3(nn.Module):
 
     def __init__(self, config: Eagle3Config, tensors: Mapping[str, npt.NDArray[Any]],
                  tok_embd: npt.NDArray[np.float32]) -> None:
-        super().__init__()
         config.check_tensors(tensors)
+        super().__init__([n for n in config.shapes() if n != "d2t"], tensors, config.n_vocab, tok_embd)
         self.config = config
-        self.names = [n for n in config.shapes() if n != "d2t"]
-        for n in self.names:
-            setattr(self, _attr(n), nn.Parameter(torch.tensor(np.asarray(tensors[n], np.float32))))
-        d2t = tensors.get("d2t", np.arange(config.n_vocab))
-        self.register_buffer("d2t", torch.tensor(np.asarray(d2t, np.int64)), persistent=True)
-        self.register_buffer("tok_embd", torch.tensor(np.asarray(tok_embd, np.float32)), persistent=False)
-
-    def p(self, name: str) -> torch.Tensor:
-        return getattr(self, _attr(name))
-
-    def to_numpy(self) -> dict[str, npt.NDArray[Any]]:
-        """GGUF tensor name → numpy array (float32; d2t int64), for ``write_eagle3_gguf``."""
-        out: dict[str, npt.NDArray[Any]] = {n: self.p(n).detach().cpu().numpy().copy() for n in self.names}
-        if self.config.n_draft_vocab < self.config.n_vocab:
-            out["d2t"] = self.d2t.cpu().numpy().copy()
-        return out
 
     def encode(self, feats: torch.Tensor) -> torch.Tensor:
         """(N, 3·H_t) → g (N, H)."""
@@ -168,3 +228,63 @@ class TorchEagle3(nn.Module):
         logits = torch.full((n, c.n_vocab), float("-inf"), dtype=z.dtype)
         logits[:, self.d2t] = z
         return logits, h
+
+    def sequence_loss(self, seq: Mapping[str, torch.Tensor], t2d: torch.Tensor, train: Any,
+                      steps: int | None = None, rng: np.random.Generator | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """TTT loss on one cached sequence: at step k and position P the label is the target's
+        distribution at P+1 (``soft_labels``), step k weighted ``train.step_decay``^(k−1).
+
+        Args:
+            seq: the cache's tokens, feats, top_ids, top_lp as tensors.
+            t2d: target id → draft id (−1 outside).
+            train: the ``TrainConfig`` (ttt_steps, step_decay).
+            steps: TTT depth (default ``train.ttt_steps``).
+            rng: unused (every position trains).
+
+        Returns:
+            (weighted loss, per step a (N,) bool tensor: the head's argmax == the target's argmax,
+            False where undefined).
+        """
+        steps = steps or train.ttt_steps
+        tokens, n = seq["tokens"], len(seq["tokens"]) - 1
+        outs = self.rollout(tokens[1:], seq["feats"][:n], steps)
+        ids = seq["top_ids"][1:]  # row P: the target at P+1, predicting t_{P+2}
+        d, p, mass = soft_labels(t2d, ids, seq["top_lp"][1:])
+        pos = torch.arange(n)
+        total = torch.zeros(())
+        wsum = 0.0
+        right = []
+        for k, z in enumerate(outs, start=1):
+            rows = (pos >= k - 1) & (mass[:, 0] > 0)
+            ce = soft_ce(z, d, p)
+            if rows.any():
+                w = train.step_decay ** (k - 1)
+                total = total + w * ce[rows].mean()
+                wsum += w
+            right.append((self.d2t[z.argmax(-1)] == ids[:, 0]) & (pos >= k - 1))
+        return total / max(wsum, 1e-12), right
+
+    @staticmethod
+    def acceptance_counts(right: list[torch.Tensor]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Chained acceptance of ``sequence_loss``'s ``right``: (hits, counts) per position k over
+        all chain origins o (step j of origin o is row o+j−1 of step j)."""
+        r = np.stack([x.numpy() for x in right])  # (steps, N)
+        steps, n = r.shape
+        hits, counts = np.zeros(steps), np.zeros(steps)
+        for k in range(1, steps + 1):
+            origins = np.arange(0, n - k + 1)
+            chain = np.ones(len(origins), bool)
+            for j in range(1, k + 1):
+                chain &= r[j - 1, origins + j - 1]
+            hits[k - 1] += chain.sum()
+            counts[k - 1] += len(origins)
+        return hits, counts
+
+    def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
+               extra_kv: Mapping[str, str] | None = None) -> Path:
+        """Write the head as a llama.cpp eagle3 GGUF (``write_eagle3_gguf``)."""
+        from edgespec.heads.gguf_io import write_eagle3_gguf
+
+        return write_eagle3_gguf(path, self.config, self.to_numpy(), vocab_source=vocab_source,
+                                 weight_type=weight_type, extra_kv=extra_kv)

@@ -1,16 +1,19 @@
-"""Training an EAGLE-3 head on a feature cache: soft-label cross-entropy over the draft vocabulary,
-training-time test, AdamW, a time budget, held-out acceptance, exact checkpoint/resume, GGUF export.
+"""Training a head (EAGLE-3, DFlash, DSpark) on a feature cache: AdamW, a time budget, held-out
+acceptance, exact checkpoint/resume, GGUF export. The loss and the acceptance count are the head's
+own (``model.sequence_loss`` / ``model.acceptance_counts``; see ``edgespec.train.model`` and
+``edgespec.train.dflash_model``).
 
-Loss: at TTT step k and head position P the target of the prediction is the target's distribution
-at position P+1 (its top-K kept in the cache, restricted to the draft vocabulary and renormalised);
-the loss is the cross-entropy −Σ p·log q (KL(p‖q) up to p's entropy), averaged over rows, with step
-k weighted 0.8^(k−1) as in EAGLE-3's reference training (later steps are harder and noisier).
+Loss: soft-label cross-entropy −Σ p·log q over the draft vocabulary (KL(p‖q) up to p's entropy),
+p = the target's distribution at the predicted position (its top-K kept in the cache, restricted to
+the draft vocabulary and renormalised), draft position k weighted ``step_decay``^(k−1): 0.8 for
+EAGLE-3's TTT steps as in its reference training, exp(−1/γ) with γ = 4 for DFlash's block rows.
 
-Acceptance (greedy, the quantity speculative decoding pays for): a draft at step k is right when the
-head's argmax equals the target's argmax; "position k" counts chains whose steps 1..k are all
-right, over all chain origins of the held-out sequences.
+Acceptance (greedy, the quantity speculative decoding pays for): a draft at position k is right
+when the head's argmax equals the target's argmax; "position k" counts chains (EAGLE-3: from every
+origin; DFlash: every block) whose drafts 1..k are all right.
 
-Determinism: the sample order is a function of (seed, epoch) only and the model has no dropout, so a
+Determinism: the sample order is a function of (seed, epoch) only, DFlash's anchors of (seed, sample
+index), and the model has no dropout, so a
 run stopped after any step and resumed from its checkpoint continues exactly as one that never
 stopped (tested).
 """
@@ -27,11 +30,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
-from edgespec.heads.gguf_io import write_eagle3_gguf
 from edgespec.train.data import target_to_draft
 from edgespec.train.features import FeatureCache
-from edgespec.train.model import TorchEagle3
+from edgespec.train.model import TrainableHead
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     batch: int = 4  # sequences per optimizer step
     grad_clip: float = 1.0
-    step_decay: float = 0.8  # weight of TTT step k: decay^(k-1)
+    step_decay: float = 0.8  # weight of draft position k (TTT step, DFlash block row): decay^(k-1)
+    anchors: int = 16  # DFlash/DSpark: blocks (anchor positions) sampled per sequence per step
     seed: int = 0
     eval_every: int = 50
     bf16: bool = True  # bfloat16 autocast for the forward/backward (weights and optimizer stay float32)
@@ -61,7 +65,7 @@ def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Seq
                         head_dim=head_dim, rms_eps=rms_eps, rope_base=rope_base, norm_before_fc=norm_before_fc)
 
 
-def init_tensors(config: Eagle3Config, d2t: npt.NDArray[np.int64], seed: int,
+def init_tensors(config: Eagle3Config | DFlashConfig, d2t: npt.NDArray[np.int64], seed: int,
                  lm_head: npt.NDArray[np.float32] | None = None,
                  output_norm: npt.NDArray[np.float32] | None = None) -> dict[str, npt.NDArray[Any]]:
     """Initial weights: ``random_tensors`` (N(0, 1/fan_in), norms 1), except that the LM head and the
@@ -94,7 +98,7 @@ class Trainer:
         config: optimisation settings.
     """
 
-    def __init__(self, model: TorchEagle3, train_files: Sequence[Path], val_files: Sequence[Path],
+    def __init__(self, model: TrainableHead, train_files: Sequence[Path], val_files: Sequence[Path],
                  config: TrainConfig) -> None:
         if not train_files:
             raise ValueError("no training sequences in the feature cache")
@@ -123,52 +127,27 @@ class Trainer:
                 "top_ids": torch.tensor(z["top_ids"].astype(np.int64)),
                 "top_lp": torch.tensor(z["top_lp"].astype(np.float32))}
 
-    # -- loss and acceptance -----------------------------------------------------------------------
+    # -- loss and acceptance (the head's own objective) ---------------------------------------------
 
-    def sequence_loss(self, seq: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(weighted TTT loss, per step a (N,) bool tensor: the head's argmax == the target's argmax,
-        False where undefined)."""
-        tokens, n = seq["tokens"], len(seq["tokens"]) - 1
-        outs = self.model.rollout(tokens[1:], seq["feats"][:n], steps)
-        ids, lp = seq["top_ids"][1:], seq["top_lp"][1:]  # row P: the target at P+1, predicting t_{P+2}
-        d = self.t2d[ids]  # (N, K) draft ids, −1 outside
-        p = torch.exp(lp) * (d >= 0)
-        mass = p.sum(1, keepdim=True)
-        p = p / mass.clamp_min(1e-12)
-        pos = torch.arange(n)
-        total = torch.zeros(())
-        wsum = 0.0
-        right = []
-        for k, z in enumerate(outs, start=1):
-            rows = (pos >= k - 1) & (mass[:, 0] > 0)
-            logq = torch.log_softmax(z, dim=-1).gather(1, d.clamp_min(0))  # (N, K)
-            ce = -(p * logq).sum(1)
-            if rows.any():
-                w = self.config.step_decay ** (k - 1)
-                total = total + w * ce[rows].mean()
-                wsum += w
-            right.append((self.model.d2t[z.argmax(-1)] == ids[:, 0]) & (pos >= k - 1))
-        return total / max(wsum, 1e-12), right
+    def sequence_loss(self, seq: dict[str, torch.Tensor], steps: int | None = None,
+                      rng: np.random.Generator | None = None) -> tuple[torch.Tensor, Any]:
+        """The head's loss on one sequence and its per-draft correctness (``model.sequence_loss``)."""
+        return self.model.sequence_loss(seq, self.t2d, self.config, steps, rng)
 
     @torch.no_grad()
     def evaluate(self, files: Sequence[Path] | None = None, steps: int | None = None) -> dict[str, Any]:
-        """Held-out loss and chained top-1 acceptance per draft position (1..steps)."""
+        """Held-out loss and chained top-1 acceptance per draft position (1..depth)."""
         files = self.val_files if files is None else files
-        steps = steps or self.config.ttt_steps
-        hits, counts, losses = np.zeros(steps), np.zeros(steps), []
+        hits: npt.NDArray[np.float64] | None = None
+        counts = np.zeros(0)
+        losses = []
         for f in files:
             loss, right = self.sequence_loss(self._tensors(f), steps)
-            losses.append(float(loss.detach()))
-            r = np.stack([x.numpy() for x in right])  # (steps, N)
-            n = r.shape[1]
-            for k in range(1, steps + 1):
-                origins = np.arange(0, n - k + 1)
-                chain = np.ones(len(origins), bool)
-                for j in range(1, k + 1):
-                    chain &= r[j - 1, origins + j - 1]
-                hits[k - 1] += chain.sum()
-                counts[k - 1] += len(origins)
-        acc = (hits / np.maximum(counts, 1)).tolist()
+            h, c = self.model.acceptance_counts(right)
+            if c.size and c[0] > 0:
+                losses.append(float(loss.detach()))
+            hits, counts = (h, c) if hits is None else (hits + h, counts + c)
+        acc = (hits / np.maximum(counts, 1)).tolist() if hits is not None else []
         return {"loss": float(np.mean(losses)) if losses else float("nan"), "acceptance": acc}
 
     # -- optimisation ------------------------------------------------------------------------------
@@ -180,8 +159,9 @@ class Trainer:
         total = 0.0
         for b in range(self.config.batch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
-                loss, _ = self.sequence_loss(self._tensors(self._sample(self.step * self.config.batch + b)),
-                                             self.config.ttt_steps)
+                i = self.step * self.config.batch + b
+                loss, _ = self.sequence_loss(self._tensors(self._sample(i)),
+                                             rng=np.random.default_rng([self.config.seed, i, 1]))
             (loss / self.config.batch).backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
@@ -241,6 +221,5 @@ class Trainer:
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: dict[str, str] | None = None) -> Path:
-        """Write the head as a llama.cpp eagle3 GGUF (``write_eagle3_gguf``)."""
-        return write_eagle3_gguf(path, self.model.config, self.model.to_numpy(), vocab_source=vocab_source,
-                                 weight_type=weight_type, extra_kv=extra_kv)
+        """Write the head as a llama.cpp GGUF of its kind (``model.export``)."""
+        return self.model.export(path, vocab_source, weight_type, extra_kv)
