@@ -43,7 +43,9 @@ def test_missing_torch_names_the_train_extra(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, words", [(["--kind", "medusa"], ["--kind", "eagle3", "medusa"]),
-                                         (["--weight-type", "q4_0"], ["--weight-type", "q4_0"])])
+                                         (["--weight-type", "q4_0"], ["--weight-type", "q4_0"]),
+                                         (["--kind", "dspark"], ["--base"]),
+                                         (["--kind", "dflash", "--block-size", "1"], ["--block-size", "1"])])
 def test_bad_options_are_one_line_errors(tmp_path: Path, args: list[str], words: list[str]) -> None:
     result = runner.invoke(cli.app, ["train-head", "--target", "x.gguf", "--out", str(tmp_path / "h.gguf"), *args])
     assert result.exit_code == 1
@@ -80,3 +82,27 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     assert "resumed from" in result.output and "at step 3" in result.output
     meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
     assert meta.value("edgespec.head.trained_steps") == "5"
+
+
+def test_train_head_dflash_writes_a_dflash_head(tmp_path: Path, smollm2_path: Path) -> None:
+    """--kind dflash on the 5-layer tiny target: EAGLE-3's feature layers, the target's shape, B = 8,
+    the unknown token as MASK, provenance; the drafters recognise the file as a DFlash head."""
+    pytest.importorskip("torch")
+    from edgespec.drafters.dflash import is_dflash_head
+    from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.gguf_io import read_gguf
+
+    target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
+    out = tmp_path / "dflash.gguf"
+    result = runner.invoke(cli.app, ["train-head", "--target", str(target), "--out", str(out), "--kind", "dflash",
+                                     "--max-steps", "3", "--draft-vocab", "300", "--corpus-chars", "6000",
+                                     "--prompts", "1", "--gen-tokens", "8", "--threads", "1",
+                                     "--work-dir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.output
+    assert is_dflash_head(out)
+    cfg, tensors = read_dflash_gguf(out)
+    assert cfg.target_layers == (2, 2, 2) and cfg.n_embd == 64 and cfg.n_layer == 1 and cfg.block_size == 8
+    assert cfg.n_draft_vocab == 300 and cfg.mask_token_id == 0 and not cfg.causal
+    meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
+    assert meta.value("edgespec.head.trained_steps") == "3"
+    assert len(meta.value("edgespec.head.heldout_acceptance").split(",")) == 7

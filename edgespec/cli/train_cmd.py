@@ -1,5 +1,5 @@
-"""`edgespec train-head --target X --kind eagle3 --out head.gguf`: self-distil a feature head (needs the
-`train` extra: torch)."""
+"""`edgespec train-head --target X --kind eagle3|dflash|dspark --out head.gguf`: self-distil a feature head
+(needs the `train` extra: torch)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import typer
 
 from edgespec.errors import EdgespecError, MissingDependencyError
 
-_KINDS = ("eagle3",)
+_KINDS = ("eagle3", "dflash", "dspark")
 _TORCH_HINT = "torch is not installed: pip install 'edgespec[train]' (the train extra)"
 
 
 def train_head(
     target: Annotated[str, typer.Option("--target", help="Target GGUF file or known model name.")],
-    out: Annotated[Path, typer.Option("--out", help="Head GGUF to write (llama.cpp's eagle3 layout).")],
-    kind: Annotated[str, typer.Option("--kind", help="Head type: eagle3.")] = "eagle3",
+    out: Annotated[Path, typer.Option("--out", help="Head GGUF to write (llama.cpp's eagle3 or dflash layout).")],
+    kind: Annotated[str, typer.Option("--kind", help="Head type: eagle3, dflash, or dspark (Markov and "
+                                                     "confidence heads on a frozen --base DFlash head).")] = "eagle3",
     budget_min: Annotated[float, typer.Option("--budget-min", help="Training time in minutes (feature "
                                                                    "extraction not counted).")] = 10.0,
     max_steps: Annotated[int, typer.Option("--max-steps", help="Stop after this many optimizer steps "
@@ -33,6 +34,13 @@ def train_head(
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")] = 192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
+    block_size: Annotated[int, typer.Option("--block-size", help="dflash: block size B (anchor + B−1 "
+                                                                 "drafts).")] = 8,
+    dflash_layers: Annotated[int, typer.Option("--dflash-layers", help="dflash: decoder layers.")] = 1,
+    base: Annotated[Path | None, typer.Option("--base", help="dspark: the trained DFlash head GGUF "
+                                                             "(kept frozen).")] = None,
+    markov_rank: Annotated[int, typer.Option("--markov-rank", help="dspark: rank R of the Markov "
+                                                                   "head.")] = 32,
     threads: Annotated[int, typer.Option("--threads", help="CPU threads (llama.cpp and torch; 0: default).")] = 0,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Feature cache and checkpoints "
                                                                      "(default $EDGESPEC_HOME/train/<target>).")] = None,
@@ -42,6 +50,11 @@ def train_head(
 
     if kind not in _KINDS:
         raise EdgespecError(f"--kind must be one of {', '.join(_KINDS)} (got {kind!r})")
+    if kind == "dspark" and base is None:
+        raise EdgespecError("--kind dspark needs --base, a DFlash head GGUF trained with --kind dflash")
+    if block_size < 2 or dflash_layers < 1 or markov_rank < 1:
+        raise EdgespecError(f"need --block-size ≥ 2, --dflash-layers ≥ 1, --markov-rank ≥ 1 (got {block_size}, "
+                            f"{dflash_layers}, {markov_rank})")
     if weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
     try:
@@ -60,7 +73,8 @@ def train_head(
                   max_steps=max_steps or None, seed=seed, draft_vocab=draft_vocab, resume=resume,
                   weight_type=weight_type, corpus_chars=corpus_chars,
                   n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
-                  threads=threads or None, work_dir=work_dir, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
+                  threads=threads or None, work_dir=work_dir, block_size=block_size, dflash_layers=dflash_layers,
+                  base=base, markov_rank=markov_rank, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
     with _TrainProgress() as bar:
         summary = run(job, note=ui.status, progress=bar.extract, on_step=bar.step)
     end = summary["end"]

@@ -17,14 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from edgespec.heads.dflash import DFlashConfig
+from edgespec.heads.dflash_gguf import read_dflash_gguf
 from edgespec.heads.gguf_io import read_gguf
 from edgespec.train import prompts as P
 from edgespec.train.data import local_corpus
+from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
+from edgespec.train.dspark_model import DSparkConfig, TorchDSpark, init_dspark
 from edgespec.train.features import CachePlan, build_cache
-from edgespec.train.model import TorchEagle3
+from edgespec.train.model import TorchEagle3, TrainableHead
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
 
-KINDS = ("eagle3",)
+KINDS = ("eagle3", "dflash", "dspark")
 
 
 @dataclass
@@ -49,6 +53,10 @@ class HeadJob:
     work_dir: Path | None = None
     norm_before_fc: bool = True  # RMS-normalise the fused features before fc (trainer.head_config)
     init_from_target: bool = True  # LM head and final norm start as the target's (trainer.init_tensors)
+    block_size: int = 8  # dflash: B, the anchor included
+    dflash_layers: int = 1  # dflash: decoder layers of the head
+    base: Path | None = None  # dspark: the trained DFlash head it is built on (frozen)
+    markov_rank: int = 32  # dspark: R
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -68,7 +76,49 @@ def target_info(path: Path) -> dict[str, Any]:
             "rms_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_base": float(key("rope.freq_base", 10000.0)),
             "tok_embd": f.tensor("token_embd.weight"), "lm_head": f.tensor(lm),
-            "output_norm": f.tensor("output_norm.weight") if "output_norm.weight" in f.tensors else None}
+            "output_norm": f.tensor("output_norm.weight") if "output_norm.weight" in f.tensors else None,
+            "mask_token_id": mask_token(path, len(f.tensor("token_embd.weight")))}
+
+
+def mask_token(path: Path, n_vocab: int) -> int:
+    """The DFlash MASK token for a target: its own ``tokenizer.ggml.mask_token_id`` if it has one, else
+    its unknown token (never produced by tokenizing text: SmolLM2's <|endoftext|> 0, Gemma-3's <unk>
+    3), else its padding token, else the last vocabulary id. The head embeds it with the target's
+    frozen embedding row, so what matters is that the token does not occur inside the text."""
+    keys = [f"tokenizer.ggml.{k}_token_id" for k in ("mask", "unknown", "padding")]
+    f = read_gguf(path, lambda k: k in keys, with_tensors=False)
+    for k in keys:
+        v = f.value(k)
+        if v is not None and 0 <= int(v) < n_vocab:
+            return int(v)
+    return n_vocab - 1
+
+
+def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t: np.ndarray) -> TrainableHead:
+    """The torch head of ``job.kind`` for a target (``target_info``) whose features are ``layers``:
+    the target's width, attention shape, rope base and rms eps; eagle3/dflash initialised by
+    ``init_tensors``, dspark on the frozen DFlash head ``job.base``."""
+    n_vocab = len(info["tok_embd"])
+    borrowed = (info["lm_head"], info["output_norm"]) if job.init_from_target else ()
+    if job.kind == "eagle3":
+        cfg = head_config(info["n_embd"], info["n_head"], info["n_head_kv"], info["n_ff"], layers, n_vocab,
+                          len(d2t), info["rms_eps"], info["rope_base"], info["head_dim"], job.norm_before_fc)
+        return TorchEagle3(cfg, init_tensors(cfg, d2t, job.seed, *borrowed), info["tok_embd"])
+    if job.kind == "dflash":
+        dcfg = DFlashConfig(n_embd=info["n_embd"], n_layer=job.dflash_layers, n_head=info["n_head"],
+                            n_head_kv=info["n_head_kv"], n_ff=info["n_ff"], target_layers=layers, n_vocab=n_vocab,
+                            n_draft_vocab=len(d2t), mask_token_id=info["mask_token_id"], block_size=job.block_size,
+                            head_dim=info["head_dim"], rms_eps=info["rms_eps"], rope_base=info["rope_base"])
+        return TorchDFlash(dcfg, init_tensors(dcfg, d2t, job.seed, *borrowed), info["tok_embd"])
+    if job.base is None:
+        raise ValueError("--kind dspark needs --base, a trained DFlash head GGUF")
+    base_cfg, tensors = read_dflash_gguf(job.base)
+    if base_cfg.target_layers != tuple(layers) or base_cfg.n_vocab != n_vocab or base_cfg.n_embd != info["n_embd"]:
+        raise ValueError(f"--base {job.base} was not trained on this target's features (layers "
+                         f"{base_cfg.target_layers}, V {base_cfg.n_vocab}, H {base_cfg.n_embd}; the target: "
+                         f"{tuple(layers)}, {n_vocab}, {info['n_embd']})")
+    base = TorchDFlash(base_cfg, tensors, info["tok_embd"])
+    return TorchDSpark(base, init_dspark(DSparkConfig(base_cfg, job.markov_rank), job.seed), job.markov_rank)
 
 
 def train_head(job: HeadJob, note: Callable[[str], None] = print,
@@ -118,25 +168,22 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     if d2t_path.exists():
         d2t = np.load(d2t_path)
     else:
-        n_vocab = len(info["tok_embd"])
-        d2t = cache.d2t(n_vocab, job.draft_vocab)
+        d2t = cache.d2t(len(info["tok_embd"]), job.draft_vocab)
         np.save(d2t_path, d2t)
-    cfg = head_config(info["n_embd"], info["n_head"], info["n_head_kv"], info["n_ff"], layers,
-                      len(info["tok_embd"]), len(d2t), info["rms_eps"], info["rope_base"], info["head_dim"],
-                      job.norm_before_fc)
-    tensors = (init_tensors(cfg, d2t, job.seed, info["lm_head"], info["output_norm"]) if job.init_from_target
-               else init_tensors(cfg, d2t, job.seed))
-    model = TorchEagle3(cfg, tensors, info["tok_embd"])
-    train_cfg = TrainConfig(**{**job.train.__dict__, "seed": job.seed})
+    model = build_head(job, info, layers, d2t)
+    decay = {"step_decay": DFLASH_DECAY} if job.kind != "eagle3" else {}
+    train_cfg = TrainConfig(**{**job.train.__dict__, **decay, "seed": job.seed})
     trainer = Trainer(model, cache.files(), held.files(), train_cfg)
-    ckpt = work / f"checkpoint-{job.kind}-v{job.draft_vocab}-s{job.seed}.pt"
+    shape = {"eagle3": "", "dflash": f"-b{job.block_size}-l{job.dflash_layers}",
+             "dspark": f"-r{job.markov_rank}-{Path(job.base or '').stem}"}[job.kind]
+    ckpt = work / f"checkpoint-{job.kind}{shape}-v{job.draft_vocab}-s{job.seed}.pt"
     if job.resume and ckpt.exists():
         trainer.load(ckpt)
         note(f"resumed from {ckpt} at step {trainer.step} ({trainer.elapsed:.0f} s trained)")
     elif ckpt.exists():
         note(f"starting over (pass --resume to continue {ckpt})")
-    note(f"{len(cache.files())} training sequences, {len(held.files())} held-out; draft vocab {len(d2t)}; "
-         f"head {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    note(f"{len(cache.files())} training sequences, {len(held.files())} held-out; draft vocab {len(model.d2t)}; "
+         f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trained parameters")
     start = trainer.evaluate() if held.files() else None
     trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt)
     end = trainer.evaluate() if held.files() else None
@@ -146,6 +193,8 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
                                         f"({job.corpus_chars} chars) and greedy generations on "
                                         f"{job.n_prompts} training prompts",
                   "edgespec.head.heldout_acceptance": ",".join(f"{a:.3f}" for a in (end or {}).get("acceptance", []))}
+    if job.kind == "dspark":
+        provenance["edgespec.head.base"] = Path(job.base or "").name
     trainer.export(job.out, job.target, job.weight_type, extra_kv=provenance)
     return {"steps": trainer.step, "seconds": trainer.elapsed, "start": start, "end": end, "out": job.out,
             "checkpoint": ckpt}
