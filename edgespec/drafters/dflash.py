@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, confidence
+from edgespec.drafters.base import Draft, DraftCost, confidence
 from edgespec.drafters.eagle import FeatureTarget
 from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
 from edgespec.errors import EdgespecError, ModelLoadError
@@ -116,11 +116,23 @@ class DFlashDrafter:
         return Draft(tokens, np.stack(q_rows) if q_rows else None, conf, self._synced)
 
     def measure_ms_per_token(self, repeats: int = 8) -> float:
-        """The scheduler's prior for this drafter's cost per draft token: the median ms of a block of
-        g + 1 tokens and its argmaxes, divided by its g drafts, g = min(4, B−1) (the scheduler's
-        slow start; a block's cost grows slowly with g, so this overestimates longer drafts). Timed
-        after the cached context; the block leaves the cache as it was."""
+        """The median ms of a block of g + 1 tokens and its argmaxes, divided by its g drafts,
+        g = min(4, B−1) (the scheduler's slow start; a block's cost grows slowly with g, so this
+        overestimates longer drafts: the scheduler uses `measure_draft_cost`)."""
         g = min(4, self.head.block_size - 1)
+        return self._time_block(g, repeats) / g
+
+    def measure_draft_cost(self, repeats: int = 8) -> DraftCost:
+        """The scheduler's prior: a block of γ drafts costs fixed + γ·per_token ms, the line through
+        the median times of blocks of 1 and B−1 drafts (one forward either way: mostly fixed)."""
+        g = self.head.block_size - 1
+        one = self._time_block(1, repeats)
+        per_token = max(0.0, (self._time_block(g, repeats) - one) / (g - 1)) if g > 1 else 0.0
+        return DraftCost(max(0.0, one - per_token), per_token, block=True)
+
+    def _time_block(self, g: int, repeats: int) -> float:
+        """Median ms of a block of g + 1 tokens and its argmaxes, timed after the cached context;
+        the block leaves the cache as it was."""
         n_ctx = getattr(self.head, "n_ctx", None)  # the libllama head's context
         if n_ctx is not None and self.head.n_past + g + 1 > n_ctx:
             self._ctx = []  # no room after the cached context: forget it
@@ -131,7 +143,7 @@ class DFlashDrafter:
             t0 = time.perf_counter()
             self.head.block_logits(tokens)[1:].argmax(axis=1)
             times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times[1:]) / g  # the first call warms caches
+        return 1000 * statistics.median(times[1:])  # the first call warms caches
 
     def close(self) -> None:
         close = getattr(self.head, "close", None)
