@@ -172,7 +172,8 @@ class Engine:
             return
         model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
         if model is not None:
-            self._draft_cost[self.drafter] = DraftCost(0.0, calibrate(model, ks=(1,), budget_s=0.5, note=note)[1])
+            t1 = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
+            self._draft_cost[self.drafter] = DraftCost(0.0, t1)
             reset = getattr(self.drafter, "reset", None)
             if reset is not None:
                 reset()  # timing used the draft model's KV cache
@@ -214,7 +215,8 @@ class Engine:
         if key not in self._schedulers:
             self.calibrate()
             assert self._t_forward is not None
-            self._schedulers[key] = Scheduler(CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter)))
+            cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter))
+            self._schedulers[key] = Scheduler(cost)
         return self._schedulers[key]
 
     # -- the loop ---------------------------------------------------------------------------------

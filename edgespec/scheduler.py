@@ -26,7 +26,8 @@ from edgespec.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.sampling import SamplingParams
 
-__all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler", "best_gamma"]
+__all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
+           "best_gamma"]
 FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
@@ -164,10 +165,11 @@ class Scheduler:
 
         # a free drafter drafts to the limit: what is not verified is scored in shadow
         rows = limit if free else gamma
-        block = self.cost.block  # all `rows` are computed before any confidence: a cut saves verification only
+        block = self.cost.block  # every row is computed before any confidence: a cut saves verification only
 
         def stop(conf: Sequence[float]) -> bool:  # conf[-1]: the next position, not drawn yet
-            return self._cut(conf, len(conf), gamma, t_draft, t_verify, rows if block else len(conf))[0] < len(conf)
+            sunk = rows if block else len(conf)
+            return self._cut(conf, len(conf), gamma, t_draft, t_verify, sunk)[0] < len(conf)
 
         d = drafter.draft(context, rows, params, rng, stop=stop if gamma and not probe else None)
         t1 = time.perf_counter()

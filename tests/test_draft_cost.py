@@ -16,7 +16,8 @@ def _verify(t1: float, slope: float) -> dict[int, float]:
 
 
 def test_a_fixed_block_cost_moves_the_optimum_to_longer_drafts():
-    # T(k) = 1 + 0.3(k−1), α = 0.8 per position: E[γ] = (1 − 0.8^{γ+1}) / 0.2 = 1, 1.8, 2.44, 2.952, 3.3616, 3.68928
+    # T(k) = 1 + 0.3(k−1), α = 0.8 per position:
+    #   E[γ] = (1 − 0.8^{γ+1}) / 0.2 = 1, 1.8, 2.44, 2.952, 3.3616, 3.68928
     # block F = 0.5 = 0.5·T(1), no per-token part: cost(γ>0) = 1.5 + 0.3γ = 1.8, 2.1, 2.4, 2.7, 3.0
     #   rates 1.0 (γ=0), 1.0, 1.1619, 1.23, 1.24504, 1.22976: γ* = 4
     # the same 0.5 spent on 4 drafts as a chain (0.125 per token): cost 1 + 0.425γ = 1.425, 1.85, 2.275

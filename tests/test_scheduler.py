@@ -146,7 +146,7 @@ def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
 
 def test_a_block_drafter_pays_for_every_row_whatever_the_cut():
     # T(k) = 10 + (k−1), block F = 4: plan (a = 0.5 [recent cap], 0.9, 0.9, 0.9; slow start γ ≤ 4):
-    #   E = 1, 1.5, 1.95, 2.355, 2.7195 over 10, 15, 16, 17, 18 ms → γ = 4 (0.1511 per ms), 4 rows drafted
+    #   E = 1, 1.5, 1.95, 2.355, 2.7195 over 10, 15, 16, 17, 18 ms → γ = 4 (0.1511 per ms): 4 rows
     # confidences 1.0, 0.05: S = 1, 0.05, 0.045, 0.0405 and every cut costs 4 + T(γ+1) (rows are sunk):
     #   E = 1, 2, 2.05, 2.095, 2.1355 over 14, 15, 16, 17, 18 → γ = 1 (0.1333), so it stops at position 2
     t = _linear(10.0, 1.0)
