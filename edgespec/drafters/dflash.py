@@ -100,20 +100,30 @@ class DFlashDrafter:
         if n <= 0 or not context:
             return Draft([])
         self.sync(context)
-        rows = self.head.block_logits(self.head.block_tokens(context[-1], n + 1))[1:]  # (n, V)
+        row = self._rows(context[-1], n)
         tokens: list[int] = []
         q_rows: list[npt.NDArray[np.float64]] = []
         conf: list[float] = []
-        for logits in rows:
+        prev = context[-1]
+        for i in range(n):
+            logits, head_conf = row(i, prev)
             q = None if params.greedy else process(logits, params)
-            conf.append(confidence(logits, q))
+            conf.append(confidence(logits, q) if head_conf is None else head_conf)
             if stop is not None and stop(conf):
                 conf.pop()
                 break
-            tokens.append(int(np.argmax(logits)) if q is None else sample(q, rng))
+            prev = int(np.argmax(logits)) if q is None else sample(q, rng)
+            tokens.append(prev)
             if q is not None:
                 q_rows.append(q)
         return Draft(tokens, np.stack(q_rows) if q_rows else None, conf, self._synced)
+
+    def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
+        """Run the block of `n` drafts after `anchor`; returns row(i, prev): the logits (V,) of draft
+        i (0-based) given the token drafted before it, and the head's own confidence in it (None:
+        derived from the logits by drafters.base.confidence). DFlash's rows ignore prev."""
+        rows = self.head.block_logits(self.head.block_tokens(anchor, n + 1))[1:]  # (n, V)
+        return lambda i, prev: (rows[i], None)
 
     def measure_ms_per_token(self, repeats: int = 8) -> float:
         """The median ms of a block of g + 1 tokens and its argmaxes, divided by its g drafts,
@@ -193,7 +203,8 @@ def check_dflash_head(head: str | os.PathLike, target: Backend) -> None:
 
 def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadImpl = "auto",
                         threads: int | None = None) -> DFlashDrafter:
-    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head.
+    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head;
+    a DSparkDrafter when the head has DSpark's Markov head (markov_w1.weight).
 
     Args:
         head: the DFlash head GGUF.
@@ -208,23 +219,33 @@ def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
     if impl not in ("auto", "numpy", "llama"):
         raise ValueError(f"impl must be 'auto', 'numpy' or 'llama' (got {impl!r})")
     check_dflash_head(head, target)
+    from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.dspark import MarkovHead
+
+    on_llama = impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend))
+    dspark = "markov_w1.weight" in head_meta(head, "dflash").tensors
+    if dspark or not on_llama:  # the libllama DSpark head needs the Markov weights host-side too
+        config, tensors = read_dflash_gguf(Path(head).expanduser())
+    markov = MarkovHead(config, tensors) if dspark else None
     runner: DFlashRunner
-    if impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend)):
+    if on_llama:
         from edgespec.heads.dflash_llama import LlamaDFlashHead
 
         if not isinstance(target, LlamaCppBackend):
             raise EdgespecError(f"the libllama DFlash head needs a llama.cpp target (got {target.name})")
-        runner = LlamaDFlashHead(head, target, threads=threads)
+        runner = LlamaDFlashHead(head, target, threads=threads, markov=markov)
     else:
         from edgespec.heads.dflash import DFlashHead
-        from edgespec.heads.dflash_gguf import read_dflash_gguf
         from edgespec.heads.gguf_io import read_gguf
 
-        config, tensors = read_dflash_gguf(Path(head).expanduser())
         embd = output = None
         if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
             t = read_gguf(target.path)
             embd = t.tensor("token_embd.weight")
             output = t.tensor("output.weight") if "output.weight" in t.tensors else embd
         runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
-    return DFlashDrafter(runner, target)
+    if markov is None:
+        return DFlashDrafter(runner, target)
+    from edgespec.drafters.dspark import DSparkDrafter
+
+    return DSparkDrafter(runner, target, markov)  # type: ignore[arg-type]  # both heads have forward_block

@@ -51,10 +51,11 @@ class MarkovHead:
         """w2 · w1[prev] on the draft vocabulary, (V_d,) float32."""
         return (self.w2 @ self.w1[int(prev)]).astype(np.float32)
 
-    def apply(self, logits: F32, prev: int) -> F32:
-        """One block row's logits (V,) plus the bias of `prev`, scattered by d2t (−inf stays −inf)."""
+    def apply(self, logits: F32, prev: int, sign: float = 1.0) -> F32:
+        """One block row's logits (V,) plus the bias of `prev` (× `sign`: −1 removes it), scattered
+        by d2t (−inf stays −inf)."""
         out = np.array(logits, np.float32)
-        out[self.d2t] += self.bias(prev)
+        out[self.d2t] += np.float32(sign) * self.bias(prev)
         return out
 
     def confidence(self, h: F32, prev: int) -> float | None:
