@@ -141,7 +141,13 @@ def test_llama_dspark_drafts_equal_numpy(tiny_dspark):
             assert a.tokens == b.tokens, text
             np.testing.assert_allclose(a.confidence, b.confidence, rtol=0, atol=1e-4)
             block = llama.head.block_tokens(ctx[-1])
-            assert [int(r.argmax()) for r in llama.head.block_logits(block)[1:]] == a.tokens  # llama.cpp's chain
+            hd = llama.head
+            hd._api.set_nextn(hd._ctx, True, False)  # llama.cpp's conf, broadcast over n_embd-wide rows
+            assert [int(r.argmax()) for r in hd.block_logits(block)[1:]] == a.tokens  # llama.cpp's chain
+            conf_cpp = [float(hd._api.get_nextn_ith(hd._ctx, i)[0]) for i in range(1, BLOCK)]
+            hd._api.set_nextn(hd._ctx, False, False)
+            print("llama.cpp conf", np.round(conf_cpp, 4), "edgespec", np.round(a.confidence, 4))
+            np.testing.assert_allclose(conf_cpp, a.confidence, rtol=0, atol=1e-4)  # same chain, same conf
             z_llama, h_llama = llama.head.forward_block(block)
             z_np, h_np = ref.head.forward_block(block)
             fin = np.isfinite(z_np)
