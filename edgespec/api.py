@@ -46,7 +46,8 @@ def load(
         drafter: None (plain decoding), "ngram" (prompt lookup), a same-vocabulary GGUF path/name, or
             an EAGLE-3 or DFlash head GGUF (general.architecture "eagle3" / "dflash"): the target is
             then opened to capture the hidden states the head reads, and the head runs on the same
-            backend (a DFlash head on an MLX target runs in numpy, untested there).
+            backend (a DFlash head on an MLX target runs in numpy, untested there). A dflash GGUF with
+            DSpark's Markov head (markov_w1.weight) drafts with DSparkDrafter.
         backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
             model runs on the same backend).
         n_ctx: context size in tokens (target and draft model).
@@ -78,8 +79,8 @@ def load(
 def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str = "llama.cpp",
                  **options) -> Drafter | None:
     """None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → prompt lookup; an EAGLE-3 head
-    GGUF → EagleDrafter, a DFlash head GGUF → DFlashDrafter (the target must capture their features:
-    see `load`); else a draft model."""
+    GGUF → EagleDrafter, a DFlash head GGUF → DFlashDrafter (DSparkDrafter with a Markov head; the
+    target must capture their features: see `load`); else a draft model."""
     if spec is None or str(spec).lower() == "none":
         return None
     text = str(spec)

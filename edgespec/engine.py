@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, Drafter
+from edgespec.drafters.base import Draft, DraftCost, Drafter, draft_cost_prior
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.sampling import SamplingParams
 from edgespec.scheduler import K_MAX, CostModel, Scheduler
@@ -57,7 +57,7 @@ class Engine:
         self._kv: list[int] = []
         self._t_forward: dict[int, float] | None = None  # the target's T(k) prior for the scheduler
         self._exact: int | None = None  # most tokens one verification forward may take (see exact_batch)
-        self._draft_ms: dict[object, float] = {}  # a draft model's ms per token, per drafter
+        self._draft_cost: dict[object, DraftCost | None] = {}  # the scheduler's draft-cost prior, per drafter
         self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
         self._busy = threading.Lock()
@@ -168,15 +168,17 @@ class Engine:
         if self._t_forward is None:
             self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
             self.reset()
+        if self.drafter is None or self.drafter in self._draft_cost:
+            return
         model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
-        if model is not None and self.drafter not in self._draft_ms:
-            self._draft_ms[self.drafter] = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
+        if model is not None:
+            t1 = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
+            self._draft_cost[self.drafter] = DraftCost(0.0, t1)
             reset = getattr(self.drafter, "reset", None)
             if reset is not None:
                 reset()  # timing used the draft model's KV cache
-        measure = getattr(self.drafter, "measure_ms_per_token", None)  # a feature head times its chain step
-        if measure is not None and self.drafter not in self._draft_ms:
-            self._draft_ms[self.drafter] = measure()
+        else:  # a feature head times its chain step or its block; an n-gram drafter is free (None)
+            self._draft_cost[self.drafter] = draft_cost_prior(self.drafter)
 
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""
@@ -213,7 +215,8 @@ class Engine:
         if key not in self._schedulers:
             self.calibrate()
             assert self._t_forward is not None
-            self._schedulers[key] = Scheduler(CostModel(self._t_forward, self._draft_ms.get(self.drafter, 0.0)))
+            cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter))
+            self._schedulers[key] = Scheduler(cost)
         return self._schedulers[key]
 
     # -- the loop ---------------------------------------------------------------------------------

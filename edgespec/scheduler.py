@@ -6,26 +6,28 @@ Each cycle takes the γ (0 = a plain step) with the most expected tokens per sec
 
 where S_i, the chance that drafts 1..i are all accepted, is the product of per-position conditional
 acceptance rates learned online, or of the drafter's calibrated confidences for tokens already
-drafted (DSpark's survival product). Costs start from the cost profile and follow the cycles
-actually timed. When no γ > 0 wins, plain steps run and learning goes on: a free drafter (n-gram)
+drafted (DSpark's survival product). Costs (edgespec.costs) start from the cost profile and the
+drafter's prior and follow the cycles actually timed; T_draft(γ) = fixed + γ·per_token, and a block
+drafter (DFlash: one forward for every row) has paid for all rows before its confidences are known,
+so its confidence cut shortens verification only. When no γ > 0 wins, plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
 small time budget.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from edgespec.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.sampling import SamplingParams
 
-K_MAX = 16  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
+__all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
+           "best_gamma"]
 FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
@@ -47,73 +49,6 @@ def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Se
         if rate > best_rate:
             best, best_rate = g, rate
     return best, best_rate
-
-
-class RobustTime:
-    """An EMA of running medians: one slow outlier moves nothing, a lasting shift moves it within a
-    few samples."""
-
-    def __init__(self, window: int = 5, beta: float = 0.3) -> None:
-        self.samples: deque[float] = deque(maxlen=window)
-        self.beta, self.value, self.n = beta, 0.0, 0
-
-    def add(self, x: float) -> None:
-        self.samples.append(x)
-        m = statistics.median(self.samples)
-        self.value = m if self.n == 0 else self.value + self.beta * (m - self.value)
-        self.n += 1
-
-
-class CostModel:
-    """T_verify(k) for k = 1..K_MAX and a drafter's ms per draft token, in ms.
-
-    Measured k follow their own timings; unmeasured ones are the prior (profile) times a shared
-    scale, the robust mean ratio of measured to prior, so a machine that slows down slows them all."""
-
-    def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0) -> None:
-        ks = sorted(t_forward_ms)
-        self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
-                              else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
-        self.verify = [RobustTime() for _ in range(K_MAX + 1)]
-        self.scale = RobustTime(window=9, beta=0.2)
-        self.draft_prior = draft_per_token_ms
-        self.draft = RobustTime()
-        self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
-
-    def observe_verify(self, k: int, ms: float) -> None:
-        self.verify[k].add(ms)
-        self.scale.add(ms / self.prior[k])
-        self._verify = None
-
-    def observe_draft(self, n_tokens: int, ms: float, synced: int = 0) -> None:
-        """A draft of n_tokens took ms, of which catching up on `synced` context tokens."""
-        per_token = self.t_draft()[1]
-        if synced > 1:
-            self.catch_up.add(max(0.0, ms - n_tokens * per_token) / synced)
-        else:
-            self.draft.add(ms / n_tokens)
-            self._draft = None
-
-    def t_catch_up(self, n: int) -> float:
-        """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token)."""
-        return n * (self.catch_up.value if self.catch_up.n else self.t_draft()[1] / 4)
-
-    _verify: list[float] | None = None
-    _draft: list[float] | None = None
-
-    def t_verify(self) -> list[float]:
-        """[k] = expected ms of a k-token verification (index 0 unused)."""
-        if self._verify is None:
-            scale = self.scale.value if self.scale.n else 1.0
-            self._verify = [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
-        return self._verify
-
-    def t_draft(self) -> list[float]:
-        """[γ] = expected ms to draft γ tokens."""
-        if self._draft is None:
-            per_token = self.draft.value if self.draft.n else self.draft_prior
-            self._draft = [g * per_token for g in range(K_MAX)]
-        return self._draft
 
 
 class Acceptance:
@@ -195,6 +130,7 @@ class Scheduler:
     _plain_ms: float = 0.0  # plain-step time since the last probe
     _backoff: float = 1.0  # each failed probe doubles the wait for the next
     _probing: bool = False
+    _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -227,13 +163,18 @@ class Scheduler:
         if gamma == 0 and not shadow:
             return Draft([]), Decision(ms=t_verify[1], seconds=seconds)
 
-        def stop(conf: Sequence[float]) -> bool:  # conf[-1]: the next position, not drawn yet
-            return self._cut(conf, len(conf), gamma, t_draft, t_verify)[0] < len(conf)
-
         # a free drafter drafts to the limit: what is not verified is scored in shadow
-        d = drafter.draft(context, limit if free else gamma, params, rng, stop=stop if gamma and not probe else None)
+        rows = limit if free else gamma
+        block = self.cost.block  # every row is computed before any confidence: a cut saves verification only
+
+        def stop(conf: Sequence[float]) -> bool:  # conf[-1]: the next position, not drawn yet
+            sunk = rows if block else len(conf)
+            return self._cut(conf, len(conf), gamma, t_draft, t_verify, sunk)[0] < len(conf)
+
+        d = drafter.draft(context, rows, params, rng, stop=stop if gamma and not probe else None)
         t1 = time.perf_counter()
         self._lag = 0
+        self._drafted = rows if block and d.tokens else len(d.tokens)
         if free and d.tokens:  # every draft is scored against what the target emits, verified or not
             self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
             self._support = d.support if d.support is not None else K_MAX
@@ -242,22 +183,23 @@ class Scheduler:
         if d.tokens and not probe and (params.greedy or d.q is None):
             # a deterministic draft may be cut after the fact; a sampled one may not (its tokens
             # would decide their own verification), so the stop rule above did its cutting
-            g, tokens = self._cut(d.confidence, len(d.tokens), min(gamma, len(d.tokens)), t_draft, t_verify)
+            g, tokens = self._cut(d.confidence, len(d.tokens), min(gamma, len(d.tokens)), t_draft, t_verify,
+                                  self._drafted)
         else:
             g = len(d.tokens)
             tokens = 1.0 + sum(self._survival(d.confidence, g)[:g])
         d = replace(d, tokens=d.tokens[:g], q=None if d.q is None else d.q[:g],
                     confidence=None if d.confidence is None else d.confidence[:g])
         seconds += time.perf_counter() - t1
-        return d, Decision(g, tokens, t_draft[g] + t_verify[g + 1], probe, seconds)
+        return d, Decision(g, tokens, t_draft[self._drafted] + t_verify[g + 1], probe, seconds)
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float) -> None:
         """Learn from a verified cycle (times in seconds)."""
         g = len(draft.tokens)
         free = self.free
         self.cost.observe_verify(g + 1, t_verify * 1000)
-        if g:
-            self.cost.observe_draft(g, t_draft * 1000, draft.synced)
+        if g:  # the cost of what was drafted (a block: every row computed), however much was verified
+            self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
                 self.acceptance.observe(g, accepted)
                 self.run = self.run + g if accepted == g else 0
@@ -312,11 +254,11 @@ class Scheduler:
         return out
 
     def _cut(self, confidence: Sequence[float] | None, n: int, most: int, t_draft: Sequence[float],
-             t_verify: Sequence[float]) -> tuple[int, float]:
-        """Best γ ≤ `most` once n tokens are drafted (their cost is spent whatever γ verifies):
-        returns (γ, expected tokens)."""
+             t_verify: Sequence[float], sunk: int) -> tuple[int, float]:
+        """Best γ ≤ `most` once n confidences are known and `sunk` tokens drafted (their cost is
+        spent whatever γ verifies): returns (γ, expected tokens)."""
         s = self._survival(confidence, n)[:most]
-        g, _ = best_gamma(s, [t_draft[max(g, n)] for g in range(most + 1)], t_verify)
+        g, _ = best_gamma(s, [t_draft[max(g, sunk)] for g in range(most + 1)], t_verify)
         return g, 1.0 + sum(s[:g])
 
     def _probe_gamma(self, limit: int, t_draft: Sequence[float], t_verify: Sequence[float]) -> int:

@@ -66,6 +66,16 @@ class Stats:
         return sum(n for _, n in self.cycles)
 
     @property
+    def n_wasted(self) -> int:
+        """Draft positions verified and rejected: the first rejected one and every one after it."""
+        return sum(d - n for d, n in self.cycles)
+
+    @property
+    def wasted_per_token(self) -> float:
+        """Rejected draft positions verified per generated token (what a confidence cut saves)."""
+        return self.n_wasted / self.n_tokens if self.n_tokens else 0.0
+
+    @property
     def drafted_at(self) -> list[int]:
         """[i] = cycles that drafted position i+1."""
         return [sum(1 for d, _ in self.cycles if d > i) for i in range(max((d for d, _ in self.cycles), default=0))]
@@ -121,5 +131,6 @@ class Stats:
     def summary(self) -> str:
         line = f"{self.n_tokens} tokens, {self.tok_per_s:.1f} tok/s"
         if self.n_drafted:
-            line += f", τ {self.tau:.2f}, acceptance {self.acceptance_rate:.0%}"
+            line += (f", τ {self.tau:.2f}, acceptance {self.acceptance_rate:.0%}, "
+                     f"wasted verify {self.wasted_per_token:.2f}/token")
         return line

@@ -13,6 +13,7 @@ from edgespec.bench.tasks import Task
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
+from edgespec.stats import Stats
 
 TASKS = [Task(f"{c}-0{i}", c, ({"role": "user", "content": "x"},), p, 40)
          for c, p in (("copy", "abcabcabcab"), ("free", "fedcb")) for i in (1, 2)]
@@ -50,12 +51,28 @@ def test_summary_rows_per_category_and_overall(tmp_path):
         assert abs(sum(r["split"].values()) - 1) < 1e-9
     copy = next(r for r in summary if r["category"] == "copy")
     assert copy["tau"] > 1.0  # the repetitive prompt gets accepted drafts
-    meta = dict(command="edgespec bench", target="ref", threads=1, sha256={"ref": "0" * 64},
-                env=dict(platform="p", machine="m", edgespec="0", llama_cpp="0", date="d"))
-    report.write_json(tmp_path / "results.json", meta, summary, [])
+    report.write_json(tmp_path / "results.json", META, summary, [])
     assert json.loads((tmp_path / "results.json").read_text())["summary"] == summary
-    md = report.markdown(meta, summary, ["speedup_t0.png"])
+    md = report.markdown(META, summary, ["speedup_t0.png"])
     assert "| **all** | ngram k=4 |" in md and "speedup_t0.png" in md
+
+
+META = dict(command="edgespec bench", target="ref", threads=1, sha256={"ref": "0" * 64},
+            env=dict(platform="p", machine="m", edgespec="0", llama_cpp="0", date="d"))
+
+
+def test_wasted_verify_positions_per_token():
+    # (drafted, accepted): rejected positions verified 0, 3 (position 2 and the two after it), 3, 0, 0
+    # = 6; tokens emitted: accepted + 1 per cycle = 5 + 2 + 1 + 1 + 3 = 12
+    s = Stats()
+    for d, n in [(4, 4), (4, 1), (3, 0), (0, 0), (2, 2)]:
+        s.record_cycle(d, n)
+    s.n_tokens = 12
+    assert s.n_wasted == 6 and s.wasted_per_token == pytest.approx(0.5)
+    assert "wasted verify 0.50/token" in s.summary()
+    both = s.merge(s)
+    assert both.n_wasted == 12 and both.wasted_per_token == pytest.approx(0.5)
+    assert Stats().wasted_per_token == 0.0
 
 
 def test_acceptance_by_position_is_conditional():
@@ -93,6 +110,11 @@ def test_pairwise_ratios_and_ideal_against_hand_computation():
     assert row["efficiency"] == pytest.approx(1.1 / (7 * 10 / 65))
     assert row["tau"] == pytest.approx(7 / 4)
     assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 2])
+    # rejected positions verified: (2, 1) one, (1, 0) one = 2, over 7 tokens
+    assert row["wasted_per_token"] == pytest.approx(2 / 7)
+    md = report.markdown(META, [row])
+    assert "| τ | wasted verify / token | efficiency |" in md
+    assert "| 1.75 | 0.29 | " in md  # τ = 7/4, then 2/7 wasted per token
     # predicted memory-bound: T1 = 1000/90 ms (median plain), 5 drafted tokens in 3 × 0.1 s of drafting
     c = (300 / 5) / (1000 / 90)
     assert row["draft_cost_vs_t1"] == pytest.approx(c)

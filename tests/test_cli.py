@@ -261,3 +261,12 @@ def test_generate_on_the_real_default_model(smollm2_path: Path) -> None:
     assert STATS_LINE.match(line), line
     assert re.match(r"^(\d+) tokens", line) and int(line.split()[0]) <= 16
     assert "τ" in line  # the default ngram drafter makes it a speculative run
+
+
+def test_verbose_schedule_line_reports_wasted_verify_positions() -> None:
+    from edgespec.cli.ui import format_schedule
+
+    s = Stats(n_tokens=5, t_verify=1.0)
+    for d, n in [(3, 1), (2, 2)]:  # 2 rejected positions verified (the 2nd and 3rd of the first cycle)
+        s.record_cycle(d, n)
+    assert "wasted verify 0.40/token" in format_schedule(s)  # 2 / 5

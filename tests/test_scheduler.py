@@ -144,6 +144,22 @@ def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
     assert 0 < plan.seconds < 0.05  # the decision is timed (microseconds; measured, not asserted tight)
 
 
+def test_a_block_drafter_pays_for_every_row_whatever_the_cut():
+    # T(k) = 10 + (k−1), block F = 4: plan (a = 0.5 [recent cap], 0.9, 0.9, 0.9; slow start γ ≤ 4):
+    #   E = 1, 1.5, 1.95, 2.355, 2.7195 over 10, 15, 16, 17, 18 ms → γ = 4 (0.1511 per ms): 4 rows
+    # confidences 1.0, 0.05: S = 1, 0.05, 0.045, 0.0405 and every cut costs 4 + T(γ+1) (rows are sunk):
+    #   E = 1, 2, 2.05, 2.095, 2.1355 over 14, 15, 16, 17, 18 → γ = 1 (0.1333), so it stops at position 2
+    t = _linear(10.0, 1.0)
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_fixed_ms=4.0, block=True))
+    sched.by_run = [Acceptance(prior=0.9) for _ in range(6)]
+    drafter = _ScriptedDrafter(token=0, confidence=[1.0, 0.05, 1.0, 1.0])
+    d, plan = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, np.random.default_rng(0))
+    assert d.tokens == [0] and plan.gamma == 1 and plan.tokens == pytest.approx(2.0)
+    assert plan.ms == pytest.approx(4.0 + t[2])  # the whole block's cost, one row verified
+    sched.observe(d, 1, 0.006, 0.011)
+    assert sched.cost.draft_at[4].n == 1 and sched.cost.draft_at[1].n == 0  # learned as a 4-row block
+
+
 def test_a_probe_pays_for_the_context_the_drafter_missed():
     t = _linear(10.0, 2.0)
 

@@ -18,7 +18,9 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
              f"edgespec {meta['env']['edgespec']} · llama-cpp-python {meta['env']['llama_cpp']} · {meta['env']['date']}",
              "", "Models: " + ", ".join(f"`{Path(p).name}` ({h[:12]}…)" for p, h in meta["sha256"].items()), "",
              "Speedup = spec tok/s ÷ the plain run just before it (alternating), min / **median** / max over "
-             "tasks × repeats. τ = tokens per target pass. Acceptance: P(position i accepted | reached). "
+             "tasks × repeats. τ = tokens per target pass. Wasted verify / token = rejected draft positions "
+             "verified (a cycle's first rejected one and all after it) per generated token. "
+             "Acceptance: P(position i accepted | reached). "
              "Efficiency = median speedup ÷ ideal speedup of the same cycles: Σ tokens·T(1) / Σ (T_draft + T(d+1)), "
              "with T(k) from `edgespec profile` and a draft model's T(1) per drafted token. "
              "Draft cost = the drafter's ms per drafted token ÷ plain ms per token, measured in these runs. "
@@ -26,10 +28,11 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
              "if verifying k ≤ 9 tokens cost one step (T(k) = T(1)), Σ tokens / Σ (1 + d·draft cost).", ""]
     for temp in sorted({r["temperature"] for r in summary}):
         lines += [f"## temperature {temp:g}", "",
-                  "| category | config | plain tok/s | spec tok/s | speedup min / med / max | τ | efficiency | "
+                  "| category | config | plain tok/s | spec tok/s | speedup min / med / max | τ | "
+                  "wasted verify / token | efficiency | "
                   "acceptance by position | draft / verify / other | draft cost | predicted memory-bound | "
                   "peak RSS MiB | greedy mismatches |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in summary if r["temperature"] == temp):
             eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "–"
             acc = " ".join("–" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"][:8]) or "–"
@@ -40,7 +43,8 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
             cat = f"**{r['category']}**" if r["category"] == "all" else r["category"]
             lines.append(f"| {cat} | {r['config']} | {r['plain_tok_per_s']:.1f} | {r['tok_per_s']:.1f} | "
                          f"{r['speedup_min']:.2f} / **{r['speedup_median']:.2f}** / {r['speedup_max']:.2f} | "
-                         f"{r['tau']:.2f} | {eff} | {acc} | {split} | {cost} | {pred} | {r['peak_rss_mb']:.0f} | {mism} |")
+                         f"{r['tau']:.2f} | {r['wasted_per_token']:.2f} | {eff} | {acc} | {split} | {cost} | "
+                         f"{pred} | {r['peak_rss_mb']:.0f} | {mism} |")
         lines.append("")
         lines += _auto_vs_fixed([r for r in summary if r["temperature"] == temp])
     lines += [f"![{p}]({p})" for p in plots]

@@ -105,6 +105,7 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
                    plain_tok_per_s=statistics.median(r.plain_tok_per_s for r in rs if r.plain_tok_per_s),
                    speedup_min=ratios[0], speedup_median=statistics.median(ratios), speedup_max=ratios[-1],
                    tau=sum(r.n_tokens for r in rs) / max(1, sum(len(r.cycles) for r in rs)),
+                   wasted_per_token=wasted_per_token(rs),
                    acceptance_by_position=acceptance_by_position([c for r in rs for c in r.cycles]),
                    split={"draft": sum(r.t_draft for r in rs) / t_total, "verify": sum(r.t_verify for r in rs) / t_total,
                           "other": sum(r.t_other for r in rs) / t_total},
@@ -136,6 +137,12 @@ def memory_bound_prediction(rs: Sequence[Run]) -> dict:
     tokens = sum(min(n, d) + 1 for d, n in cycles)
     return {"draft_ms_per_token": draft_ms, "draft_cost_vs_t1": c,
             "predicted_memory_bound": tokens / sum(1 + d * c for d, _ in cycles)}
+
+
+def wasted_per_token(rs: Sequence[Run]) -> float:
+    """Rejected draft positions sent to verification per generated token, over runs (the first
+    rejected position of a cycle and every one after it: drafted − accepted)."""
+    return sum(d - n for r in rs for d, n in r.cycles) / max(1, sum(r.n_tokens for r in rs))
 
 
 def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float | None]:

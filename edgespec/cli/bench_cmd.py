@@ -124,10 +124,12 @@ def bench(
         report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
         pngs = report.plots(out, summary)
         (out / "results.md").write_text(report.markdown(meta, summary, pngs))
-        ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ", "mismatches"],
+        ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ",
+                        "wasted verify / token", "mismatches"],
                        [[r["config"], f"{r['temperature']:g}", f"{r['plain_tok_per_s']:.1f}", f"{r['tok_per_s']:.1f}",
                          f"{r['speedup_min']:.2f} / {r['speedup_median']:.2f} / {r['speedup_max']:.2f}",
-                         f"{r['tau']:.2f}", r["mismatches"]] for r in summary if r["category"] == "all"],
+                         f"{r['tau']:.2f}", f"{r['wasted_per_token']:.2f}", r["mismatches"]]
+                        for r in summary if r["category"] == "all"],
                        title="all categories (per-category tables in results.md)")
         ui.status(f"wrote {out / 'results.md'}, results.json" + (f", {', '.join(pngs)}" if pngs else ""))
         if mismatches:

@@ -61,11 +61,12 @@ def format_stats(stats: Stats, *, speculative: bool | None = None) -> str:
 
 
 def format_schedule(stats: Stats) -> str:
-    """The scheduler's line: γ histogram, share of time in plain steps, predicted vs measured
-    speed, and what its decisions cost."""
+    """The scheduler's line: γ histogram, share of time in plain steps, rejected draft positions
+    verified per token, predicted vs measured speed, and what its decisions cost."""
     hist = " ".join(f"{g}:{n}" for g, n in stats.gamma_histogram.items())
     parts = [f"γ histogram {hist or '–'}",
-             f"plain steps {stats.t_plain / stats.t_decode:.0%} of decode time" if stats.t_decode else "no decode"]
+             f"plain steps {stats.t_plain / stats.t_decode:.0%} of decode time" if stats.t_decode else "no decode",
+             f"wasted verify {stats.wasted_per_token:.2f}/token"]
     if stats.n_planned:
         parts += [f"predicted {stats.predicted_tok_per_s:.1f} tok/s vs measured {stats.tok_per_s:.1f}",
                   f"decision {stats.t_schedule / stats.n_planned * 1e6:.0f} µs/cycle"]

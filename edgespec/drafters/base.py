@@ -47,3 +47,23 @@ class Drafter(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What drafting γ tokens costs: fixed_ms + γ·per_token_ms (γ > 0). A block drafter (`block`)
+    computes all its rows in one forward before any confidence is known, so its cost is mostly fixed."""
+
+    fixed_ms: float
+    per_token_ms: float
+    block: bool = False
+
+
+def draft_cost_prior(drafter: object) -> DraftCost | None:
+    """The drafter's cost prior for the scheduler: its `measure_draft_cost()` when it has one (block
+    drafters), else a chain of `measure_ms_per_token()` steps, else None (not measurable here)."""
+    measure = getattr(drafter, "measure_draft_cost", None)
+    if measure is not None:
+        return measure()
+    per_token = getattr(drafter, "measure_ms_per_token", None)
+    return DraftCost(0.0, per_token()) if per_token is not None else None

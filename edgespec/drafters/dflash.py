@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, confidence
+from edgespec.drafters.base import Draft, DraftCost, confidence
 from edgespec.drafters.eagle import FeatureTarget
 from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
 from edgespec.errors import EdgespecError, ModelLoadError
@@ -100,27 +100,49 @@ class DFlashDrafter:
         if n <= 0 or not context:
             return Draft([])
         self.sync(context)
-        rows = self.head.block_logits(self.head.block_tokens(context[-1], n + 1))[1:]  # (n, V)
+        row = self._rows(context[-1], n)
         tokens: list[int] = []
         q_rows: list[npt.NDArray[np.float64]] = []
         conf: list[float] = []
-        for logits in rows:
+        prev = context[-1]
+        for i in range(n):
+            logits, head_conf = row(i, prev)
             q = None if params.greedy else process(logits, params)
-            conf.append(confidence(logits, q))
+            conf.append(confidence(logits, q) if head_conf is None else head_conf)
             if stop is not None and stop(conf):
                 conf.pop()
                 break
-            tokens.append(int(np.argmax(logits)) if q is None else sample(q, rng))
+            prev = int(np.argmax(logits)) if q is None else sample(q, rng)
+            tokens.append(prev)
             if q is not None:
                 q_rows.append(q)
         return Draft(tokens, np.stack(q_rows) if q_rows else None, conf, self._synced)
 
+    def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
+        """Run the block of `n` drafts after `anchor`; returns row(i, prev): the logits (V,) of draft
+        i (0-based) given the token drafted before it, and the head's own confidence in it (None:
+        derived from the logits by drafters.base.confidence). DFlash's rows ignore prev."""
+        rows = self.head.block_logits(self.head.block_tokens(anchor, n + 1))[1:]  # (n, V)
+        return lambda i, prev: (rows[i], None)
+
     def measure_ms_per_token(self, repeats: int = 8) -> float:
-        """The scheduler's prior for this drafter's cost per draft token: the median ms of a block of
-        g + 1 tokens and its argmaxes, divided by its g drafts, g = min(4, B−1) (the scheduler's
-        slow start; a block's cost grows slowly with g, so this overestimates longer drafts). Timed
-        after the cached context; the block leaves the cache as it was."""
+        """The median ms of a block of g + 1 tokens and its argmaxes, divided by its g drafts,
+        g = min(4, B−1) (the scheduler's slow start; a block's cost grows slowly with g, so this
+        overestimates longer drafts: the scheduler uses `measure_draft_cost`)."""
         g = min(4, self.head.block_size - 1)
+        return self._time_block(g, repeats) / g
+
+    def measure_draft_cost(self, repeats: int = 8) -> DraftCost:
+        """The scheduler's prior: a block of γ drafts costs fixed + γ·per_token ms, the line through
+        the median times of blocks of 1 and B−1 drafts (one forward either way: mostly fixed)."""
+        g = self.head.block_size - 1
+        one = self._time_block(1, repeats)
+        per_token = max(0.0, (self._time_block(g, repeats) - one) / (g - 1)) if g > 1 else 0.0
+        return DraftCost(max(0.0, one - per_token), per_token, block=True)
+
+    def _time_block(self, g: int, repeats: int) -> float:
+        """Median ms of a block of g + 1 tokens and its argmaxes, timed after the cached context;
+        the block leaves the cache as it was."""
         n_ctx = getattr(self.head, "n_ctx", None)  # the libllama head's context
         if n_ctx is not None and self.head.n_past + g + 1 > n_ctx:
             self._ctx = []  # no room after the cached context: forget it
@@ -131,7 +153,7 @@ class DFlashDrafter:
             t0 = time.perf_counter()
             self.head.block_logits(tokens)[1:].argmax(axis=1)
             times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times[1:]) / g  # the first call warms caches
+        return 1000 * statistics.median(times[1:])  # the first call warms caches
 
     def close(self) -> None:
         close = getattr(self.head, "close", None)
@@ -181,7 +203,8 @@ def check_dflash_head(head: str | os.PathLike, target: Backend) -> None:
 
 def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadImpl = "auto",
                         threads: int | None = None) -> DFlashDrafter:
-    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head.
+    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head;
+    a DSparkDrafter when the head has DSpark's Markov head (markov_w1.weight).
 
     Args:
         head: the DFlash head GGUF.
@@ -196,23 +219,33 @@ def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
     if impl not in ("auto", "numpy", "llama"):
         raise ValueError(f"impl must be 'auto', 'numpy' or 'llama' (got {impl!r})")
     check_dflash_head(head, target)
+    from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.dspark import MarkovHead
+
+    on_llama = impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend))
+    dspark = "markov_w1.weight" in head_meta(head, "dflash").tensors
+    if dspark or not on_llama:  # the libllama DSpark head needs the Markov weights host-side too
+        config, tensors = read_dflash_gguf(Path(head).expanduser())
+    markov = MarkovHead(config, tensors) if dspark else None
     runner: DFlashRunner
-    if impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend)):
+    if on_llama:
         from edgespec.heads.dflash_llama import LlamaDFlashHead
 
         if not isinstance(target, LlamaCppBackend):
             raise EdgespecError(f"the libllama DFlash head needs a llama.cpp target (got {target.name})")
-        runner = LlamaDFlashHead(head, target, threads=threads)
+        runner = LlamaDFlashHead(head, target, threads=threads, markov=markov)
     else:
         from edgespec.heads.dflash import DFlashHead
-        from edgespec.heads.dflash_gguf import read_dflash_gguf
         from edgespec.heads.gguf_io import read_gguf
 
-        config, tensors = read_dflash_gguf(Path(head).expanduser())
         embd = output = None
         if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
             t = read_gguf(target.path)
             embd = t.tensor("token_embd.weight")
             output = t.tensor("output.weight") if "output.weight" in t.tensors else embd
         runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
-    return DFlashDrafter(runner, target)
+    if markov is None:
+        return DFlashDrafter(runner, target)
+    from edgespec.drafters.dspark import DSparkDrafter
+
+    return DSparkDrafter(runner, target, markov)  # type: ignore[arg-type]  # both heads have forward_block

@@ -19,8 +19,9 @@ Block (the draft pass, positions n..n+b−1 where n = context length, b ≤ B):
   −inf). llama.cpp computes all b rows and drafts greedily from rows 1..b−1 (b−1 ≤ B−1 tokens).
 
 Supported: plain DFlash (Qwen3-style backbone) with optional own token_embd / output, d2t,
-embedding/attention/value scales and a causal flag. Not supported (refused by ``check_tensors``
-and the GGUF reader): DFlash2 conv/selector, DSpark Markov/confidence heads, DSV4 hyper-connection
+embedding/attention/value scales and a causal flag; DSpark's Markov and confidence heads (rank R,
+bonus-anchor layout: ``edgespec.heads.dspark``). Not supported (refused by ``check_tensors``
+and the GGUF reader): DFlash2 conv/selector, DSpark's sample_from_anchor layout, DSV4 hyper-connection
 stages, attention sinks, post-norms, layer output scales, rope_freqs, quantization scale tensors,
 shared K/V (no attn_v), sliding-window attention, M-RoPE sections and non-SiLU activations.
 """
@@ -64,6 +65,9 @@ class DFlashConfig:
     embedding_scale: float = 0.0  # 0: unset (llama.cpp's convention for these three)
     attention_scale: float = 0.0
     value_scale: float = 0.0
+    markov_rank: int = 0  # R of DSpark's Markov head (markov_w1/w2); 0: plain DFlash
+    has_confidence: bool = False  # DSpark's conf_proj (needs markov_rank > 0)
+    sample_from_anchor: bool = False  # dflash.sample_from_anchor; only the bonus-anchor layout (False)
 
     def __post_init__(self) -> None:
         for name in ("rms_eps", "rope_base", "embedding_scale", "attention_scale", "value_scale"):
@@ -84,6 +88,16 @@ class DFlashConfig:
             raise ValueError(f"n_draft_vocab must be in 1..n_vocab={self.n_vocab} (got {self.n_draft_vocab})")
         if not 0 <= self.mask_token_id < self.n_vocab:
             raise ValueError(f"mask_token_id must be in 0..{self.n_vocab - 1} (got {self.mask_token_id})")
+        if self.markov_rank < 0 or (self.has_confidence and not self.markov_rank):
+            raise ValueError(f"a confidence head needs a Markov head of rank ≥ 1 (got markov_rank={self.markov_rank})")
+        if self.sample_from_anchor and self.markov_rank:
+            raise ValueError("dflash.sample_from_anchor = true is not supported: edgespec's DSpark drafts rows "
+                             "1..b−1 of the bonus-anchor layout only")
+
+    @property
+    def kind(self) -> str:
+        """"DSpark" with a Markov head, else "DFlash"."""
+        return "DSpark" if self.markov_rank else "DFlash"
 
     @property
     def n_embd_enc(self) -> int:
@@ -107,6 +121,12 @@ class DFlashConfig:
             s["d2t"] = (self.n_draft_vocab,)
         if own_embd:
             s["token_embd.weight"] = (self.n_vocab, H)
+        if self.markov_rank:
+            s["markov_w1.weight"] = (self.n_vocab, self.markov_rank)
+            s["markov_w2.weight"] = (self.n_draft_vocab, self.markov_rank)
+        if self.has_confidence:
+            s["conf_proj.weight"] = (1, H + self.markov_rank)
+            s["conf_proj.bias"] = (1,)
         return s
 
     def check_tensors(self, tensors: Mapping[str, npt.NDArray]) -> None:
@@ -114,7 +134,7 @@ class DFlashConfig:
         want = self.shapes(own_embd="token_embd.weight" in tensors, own_output="output.weight" in tensors)
         extra = sorted(set(tensors) - set(want))
         if extra:
-            raise ValueError(f"unsupported DFlash tensors (edgespec implements plain DFlash only): {', '.join(extra)}")
+            raise ValueError(f"unsupported DFlash tensors (not in this {self.kind} config): {', '.join(extra)}")
         for name, shape in want.items():
             if name not in tensors:
                 raise ValueError(f"DFlash head lacks tensor {name} {shape}")

@@ -16,6 +16,13 @@ ffn_up,ffn_down}.weight``, ``output_norm.weight``, optional ``output.weight`` (V
 ``token_embd.weight`` and ``d2t`` (I64). Without token_embd / output llama.cpp borrows the
 target's through ``ctx_other``. The file carries the target's ``tokenizer.*`` metadata.
 
+DSpark (``edgespec.heads.dspark``) adds ``markov_w1.weight`` (ne {R, V}), ``markov_w2.weight``
+(ne {R, V_d}), optional ``conf_proj.weight`` (ne {H+R, 1}) and ``conf_proj.bias`` (ne {1}), and the
+BOOL keys ``dflash.sample_from_anchor`` (llama.cpp's default when absent is true; edgespec writes
+false, the bonus-anchor layout, and refuses true) and ``dflash.has_confidence_head``. These tensors
+are written F32 whatever the weight type, so llama.cpp's in-graph Markov bias matches the host's
+to float rounding (the libllama drafter relies on it).
+
 The reader refuses files using parts ``edgespec.heads.dflash`` does not implement (DFlash2
 conv/selector keys, DSV4 hyper-connections, sliding windows, M-RoPE sections, non-SiLU activations)
 as well as any unknown tensor.
@@ -30,6 +37,7 @@ from typing import Any
 import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
+from edgespec.heads.dspark import MARKOV_TENSORS
 from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 ARCH = "dflash"
@@ -70,7 +78,10 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
         if value:
             w.add_float32(f"{ARCH}.{key}", value)
     w.add_uint32(MASK_KEY, config.mask_token_id)
-    finish_head_file(w, tok, tensors, weight_type, extra_kv)
+    if config.markov_rank:
+        w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
+        w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
+    finish_head_file(w, tok, tensors, weight_type, extra_kv, keep_f32=MARKOV_TENSORS)
     return Path(path)
 
 
@@ -101,6 +112,11 @@ def read_dflash_gguf(path: str | Path) -> tuple[DFlashConfig, dict[str, npt.NDAr
     n_embd = int(key("embedding_length"))
     tensors = {name: f.tensor(name) for name in f.tensors}
     n_vocab = int(f.value(f"{ARCH}.vocab_size") or len(f.value("tokenizer.ggml.tokens", [])))
+    markov = tensors.get("markov_w1.weight")
+    rank = int(markov.shape[1]) if markov is not None and markov.ndim == 2 else 0
+    if rank and key("sample_from_anchor", True):
+        raise ValueError(f"{path} has {ARCH}.sample_from_anchor = true (llama.cpp's default when absent); "
+                         "edgespec's DSpark implements the bonus-anchor layout (false) only")
     config = DFlashConfig(
         n_embd=n_embd, n_layer=int(key("block_count")), n_head=n_head,
         n_head_kv=int(key("attention.head_count_kv", n_head)), n_ff=int(key("feed_forward_length")),
@@ -110,6 +126,7 @@ def read_dflash_gguf(path: str | Path) -> tuple[DFlashConfig, dict[str, npt.NDAr
         rms_eps=float(key("attention.layer_norm_rms_epsilon")), rope_base=float(key("rope.freq_base", 10000.0)),
         n_rot=int(key("rope.dimension_count", n_embd // n_head)), context_length=int(key("context_length")),
         causal=bool(key("attention.causal", False)), embedding_scale=float(key("embedding_scale", 0.0)),
-        attention_scale=float(key("attention.scale", 0.0)), value_scale=float(key("attention.value_scale", 0.0)))
+        attention_scale=float(key("attention.scale", 0.0)), value_scale=float(key("attention.value_scale", 0.0)),
+        markov_rank=rank, has_confidence=bool(key("has_confidence_head", "conf_proj.weight" in tensors)))
     config.check_tensors(tensors)
     return config, tensors

@@ -13,6 +13,15 @@ target model's (llama.cpp refuses the context otherwise). Two kinds of ``llama_p
   right after (``llama_memory_seq_rm``), so the cache holds only injected context, as in the
   numpy ``DFlashHead`` whose ``forward_block`` leaves the cache unchanged.
 
+DSpark (``markov``): llama.cpp's graph adds the Markov bias to the logits it returns, chained
+greedily (row r gets w2·w1[prev_r], prev_1 = the anchor, prev_r = the argmax of the biased row
+r−1; ``build_dspark_markov_head``). The bindings cannot switch that off, so ``forward_block``
+removes it host-side with the same F32 weights read from the GGUF (the writer keeps them F32) and
+returns the base logits with the normed hiddens (``llama_set_embeddings``: the graph's t_embd), as
+the numpy ``DFlashHead.forward_block`` does; DSparkDrafter then adds the bias of the token it really
+drafted and computes the confidence from h. (llama.cpp's own confidence, in the nextn
+embeddings, is for the argmax chain only, so edgespec does not use it.)
+
 The block's attention mask is the context default, which llama.cpp takes from the model's
 ``dflash.attention.causal`` (false: DFlash's non-causal block; tested both ways). Block size and
 MASK id come from ``dflash.block_size`` (speculative.cpp's default 16 without it) and the
@@ -28,6 +37,8 @@ import numpy as np
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError, ModelLoadError
+from edgespec.heads.dspark import MarkovHead
+from edgespec.heads.gguf_io import read_gguf
 from edgespec.heads.llama_head import DECODE, F32, LlamaHeadContext
 
 
@@ -43,11 +54,13 @@ class LlamaDFlashHead(LlamaHeadContext):
         kv_type: the head's KV cache type ("f16", llama.cpp's default, or "f32", "q8_0").
         flash_attn: llama.cpp's flash attention (on CPU it rounds Q·K to F16).
         threads: CPU threads (default: the target's; standalone 1).
+        markov: a DSpark head's Markov head, read from the same GGUF (required for a DSpark file:
+            its logits come back biased and ``forward_block`` must remove that).
     """
 
     def __init__(self, path: str | os.PathLike, target: LlamaCppBackend | None = None, *,
                  n_ctx: int | None = None, n_batch: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = True, threads: int | None = None) -> None:
+                 flash_attn: bool = True, threads: int | None = None, markov: MarkovHead | None = None) -> None:
         super().__init__(path, target, kind="DFlash", n_ctx=n_ctx, n_batch=n_batch, kv_type=kv_type,
                          flash_attn=flash_attn, threads=threads)
         ll = self._ll
@@ -65,6 +78,12 @@ class LlamaDFlashHead(LlamaHeadContext):
         if self.n_batch < self.block_size:
             self.close()
             raise ValueError(f"n_batch {self.n_batch} cannot hold a block of {self.block_size} tokens")
+        is_dspark = "markov_w1.weight" in read_gguf(self.path, lambda k: False).tensors
+        if is_dspark != (markov is not None):
+            self.close()
+            raise ValueError(f"{self.path} is {'a DSpark' if is_dspark else 'a plain DFlash'} head: "
+                             f"{'pass its MarkovHead' if is_dspark else 'it has no Markov head to pass'} (markov=)")
+        self.markov = markov
 
     def inject(self, features: F32) -> None:
         """Append target positions n_past.. to the context cache: (n, T·H) fused feature rows, in
@@ -96,7 +115,24 @@ class LlamaDFlashHead(LlamaHeadContext):
 
     def block_logits(self, tokens: Sequence[int]) -> F32:
         """Logits (b, V) of a block at positions n_past..n_past+b−1 attending to the context cache
-        and the whole block (−inf outside the draft vocabulary); the cache is left unchanged."""
+        and the whole block (−inf outside the draft vocabulary); the cache is left unchanged. A
+        DSpark head's rows 1.. carry llama.cpp's greedy Markov chain (see the module docstring)."""
+        return self._block(tokens, hidden=False)[0]
+
+    def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
+        """The numpy head's forward_block: (base logits (b, V) without any Markov bias, normed
+        hidden (b, H))."""
+        logits, h = self._block(tokens, hidden=True)
+        if self.markov is not None:
+            prev = int(tokens[0])
+            for r in range(1, len(tokens)):
+                nxt = int(np.argmax(logits[r]))  # the in-graph chain's next prev (ggml_argmax: first max)
+                logits[r] = self.markov.apply(logits[r], prev, sign=-1.0)
+                prev = nxt
+        assert h is not None
+        return logits, h
+
+    def _block(self, tokens: Sequence[int], hidden: bool) -> tuple[F32, F32 | None]:
         ll, b = self._ll, len(tokens)
         if not 1 <= b <= self.block_size:
             raise ValueError(f"a block holds 1..{self.block_size} tokens (got {b})")
@@ -109,10 +145,16 @@ class LlamaDFlashHead(LlamaHeadContext):
             if idx < 0 or not self._set_pos(idx, (p, p, p, 0)):
                 raise BackendError(f"cannot add block token {i} ({tok}) to the batch ({idx})")
             ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+        ll.llama_set_embeddings(self._ctx, hidden)  # t_embd = the output-normed hidden, besides logits
         try:
             self._process(DECODE, f"block of {b} at position {self._n_past}")
-            return self._logits(b)
+            h = None
+            if hidden:
+                h = np.stack([np.ctypeslib.as_array(ll.llama_get_embeddings_ith(self._ctx, i), shape=(self.n_embd,))
+                              for i in range(b)]).astype(np.float32)
+            return self._logits(b), h
         finally:
+            ll.llama_set_embeddings(self._ctx, False)
             self._seq_rm(self._n_past)  # the block's K/V never stays: the next features go there
 
     def draft(self, anchor: int, n_draft: int | None = None) -> list[int]:

@@ -1,0 +1,120 @@
+"""The scheduler's cost model: T_verify(k) for the target, T_draft(γ) = fixed + γ·per_token for the
+drafter (fixed > 0: a block drafter, one forward for all rows), both following the cycles timed."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import numpy as np
+
+from edgespec.drafters.base import DraftCost
+
+K_MAX = 16  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
+FIT_WEIGHT_CAP = 8  # a draft length's weight in the fit grows with its samples up to this many
+
+
+class RobustTime:
+    """An EMA of running medians: one slow outlier moves nothing, a lasting shift moves it within a
+    few samples."""
+
+    def __init__(self, window: int = 5, beta: float = 0.3) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self.beta, self.value, self.n = beta, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        m = statistics.median(self.samples)
+        self.value = m if self.n == 0 else self.value + self.beta * (m - self.value)
+        self.n += 1
+
+
+class CostModel:
+    """T_verify(k) for k = 1..K_MAX and T_draft(γ) for γ < K_MAX, in ms.
+
+    Measured k follow their own timings; unmeasured ones are the prior (profile) times a shared
+    scale, the robust mean ratio of measured to prior, so a machine that slows down slows them all.
+    Drafts are timed per length γ (a robust value each) and T_draft(γ) = fixed + γ·per_token is a
+    weighted least-squares line through them (one length seen: the prior, scaled to it).
+
+    Args:
+        t_forward_ms: the target's profile, {k: ms of a k-token forward}.
+        draft_per_token_ms, draft_fixed_ms: the drafter's prior (DraftCost).
+        block: the drafter computes every row of a block before any confidence is known, so a
+            confidence cut saves verification only, never drafting.
+    """
+
+    def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0,
+                 draft_fixed_ms: float = 0.0, block: bool = False) -> None:
+        ks = sorted(t_forward_ms)
+        self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
+                              else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
+        self.verify = [RobustTime() for _ in range(K_MAX + 1)]
+        self.scale = RobustTime(window=9, beta=0.2)
+        self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block)
+        self.draft_at = [RobustTime() for _ in range(K_MAX)]  # [γ]: ms of drafting γ tokens
+        self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
+        self.block = block
+        self._verify: list[float] | None = None
+        self._draft = self._line(draft_fixed_ms, draft_per_token_ms)
+
+    @classmethod
+    def for_drafter(cls, t_forward_ms: dict[int, float], prior: DraftCost | None) -> CostModel:
+        """A cost model with the drafter's measured prior (None: free, like an n-gram drafter)."""
+        if prior is None:
+            return cls(t_forward_ms)
+        return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block)
+
+    def observe_verify(self, k: int, ms: float) -> None:
+        self.verify[k].add(ms)
+        self.scale.add(ms / self.prior[k])
+        self._verify = None
+
+    def observe_draft(self, n_tokens: int, ms: float, synced: int = 0) -> None:
+        """A draft of n_tokens (a block drafter: rows computed) took ms, of which catching up on
+        `synced` context tokens."""
+        if synced > 1:
+            self.catch_up.add(max(0.0, ms - self._draft[n_tokens]) / synced)
+        else:
+            self.draft_at[n_tokens].add(ms)
+            self._draft = self._line(*self.draft_fit())
+
+    def draft_fit(self) -> tuple[float, float]:
+        """(fixed ms, ms per token) of the draft times measured so far."""
+        pts = [(g, t.value, min(t.n, FIT_WEIGHT_CAP)) for g, t in enumerate(self.draft_at) if t.n]
+        fixed, per_token = self.draft_prior.fixed_ms, self.draft_prior.per_token_ms
+        if not pts:
+            return fixed, per_token
+        if len({g for g, _, _ in pts}) == 1:  # one length: the prior's shape, scaled to its time
+            g, ms, _ = pts[0]
+            prior = fixed + g * per_token
+            return (fixed * ms / prior, per_token * ms / prior) if prior > 0 else (0.0, ms / g)
+        w = sum(n for _, _, n in pts)
+        g_mean = sum(n * g for g, _, n in pts) / w
+        t_mean = sum(n * t for _, t, n in pts) / w
+        sxx = sum(n * (g - g_mean) ** 2 for g, _, n in pts)
+        slope = sum(n * (g - g_mean) * (t - t_mean) for g, t, n in pts) / sxx
+        if slope < 0:  # noise on a flat block cost: no per-token part
+            return t_mean, 0.0
+        if t_mean - slope * g_mean < 0:  # noise on a chain cost: no fixed part
+            return 0.0, sum(n * g * t for g, t, n in pts) / sum(n * g * g for g, _, n in pts)
+        return t_mean - slope * g_mean, slope
+
+    def t_catch_up(self, n: int) -> float:
+        """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token)."""
+        return n * (self.catch_up.value if self.catch_up.n else self._draft[1] / 4)
+
+    def t_verify(self) -> list[float]:
+        """[k] = expected ms of a k-token verification (index 0 unused)."""
+        if self._verify is None:
+            scale = self.scale.value if self.scale.n else 1.0
+            self._verify = [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
+        return self._verify
+
+    def t_draft(self) -> list[float]:
+        """[γ] = expected ms to draft γ tokens (0 for γ = 0)."""
+        return self._draft
+
+    @staticmethod
+    def _line(fixed: float, per_token: float) -> list[float]:
+        return [0.0] + [fixed + g * per_token for g in range(1, K_MAX)]

@@ -1,0 +1,53 @@
+"""DSpark drafting: a DFlash block plus a Markov head that conditions each row on the token drafted
+before it, and a confidence head (edgespec.heads.dspark).
+
+One block forward gives every row's base logits z_r and hidden h_r (DFlashDrafter's pairing of rows
+with positions and its context sync are reused unchanged); the drafts are then chained left to
+right: row r adds the Markov bias of prev_r (the anchor for r = 1, else the token drafted at row
+r−1: the argmax when greedy, the sample when sampling), so q_r is the processed distribution of
+x̃_r given x̃_{<r} and verifying with those q rows is exact speculative sampling. A head with a
+confidence head reports conf_r (the chance x̃_r is accepted given x̃_{<r} were) as the draft's
+confidence, which is what the scheduler's `stop` rule reads; it depends on x̃_{<r} only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.drafters.dflash import DFlashDrafter, DFlashRunner
+from edgespec.drafters.eagle import FeatureTarget
+from edgespec.heads.dspark import MarkovHead
+
+F32 = npt.NDArray[np.float32]
+
+
+class DSparkRunner(DFlashRunner, Protocol):
+    """A DFlash runner that also gives a block's base logits (no Markov bias) and normed hiddens:
+    heads.dflash.DFlashHead, or heads.dflash_llama.LlamaDFlashHead opened with the Markov head."""
+
+    def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]: ...
+
+
+class DSparkDrafter(DFlashDrafter):
+    """Chain drafting with a DSpark head (see the module docstring).
+
+    Args:
+        head: the DFlash backbone (its ``forward_block`` logits are the unbiased z_r).
+        target: the feature target, as for DFlashDrafter.
+        markov: the head's Markov (and confidence) head.
+    """
+
+    name = "dspark"
+
+    def __init__(self, head: DSparkRunner, target: FeatureTarget, markov: MarkovHead) -> None:
+        super().__init__(head, target)
+        self.head: DSparkRunner = head
+        self.markov = markov
+
+    def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
+        z, h = self.head.forward_block(self.head.block_tokens(anchor, n + 1))  # (n+1, V), (n+1, H)
+        return lambda i, prev: (self.markov.apply(z[i + 1], prev), self.markov.confidence(h[i + 1], prev))
