@@ -84,9 +84,11 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     assert meta.value("edgespec.head.trained_steps") == "5"
 
 
-def test_train_head_dflash_writes_a_dflash_head(tmp_path: Path, smollm2_path: Path) -> None:
+def test_train_head_dflash_then_dspark(tmp_path: Path, smollm2_path: Path) -> None:
     """--kind dflash on the 5-layer tiny target: EAGLE-3's feature layers, the target's shape, B = 8,
-    the unknown token as MASK, provenance; the drafters recognise the file as a DFlash head."""
+    the unknown token as MASK, provenance; the drafters recognise the file as a DFlash head. Then
+    --kind dspark on it (same work dir: the feature cache is reused) adds only the Markov and
+    confidence tensors."""
     pytest.importorskip("torch")
     from edgespec.drafters.dflash import is_dflash_head
     from edgespec.heads.dflash_gguf import read_dflash_gguf
@@ -94,10 +96,9 @@ def test_train_head_dflash_writes_a_dflash_head(tmp_path: Path, smollm2_path: Pa
 
     target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
     out = tmp_path / "dflash.gguf"
-    result = runner.invoke(cli.app, ["train-head", "--target", str(target), "--out", str(out), "--kind", "dflash",
-                                     "--max-steps", "3", "--draft-vocab", "300", "--corpus-chars", "6000",
-                                     "--prompts", "1", "--gen-tokens", "8", "--threads", "1",
-                                     "--work-dir", str(tmp_path / "w")])
+    common = ["--target", str(target), "--max-steps", "3", "--draft-vocab", "300", "--corpus-chars", "6000",
+              "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w")]
+    result = runner.invoke(cli.app, ["train-head", *common, "--out", str(out), "--kind", "dflash"])
     assert result.exit_code == 0, result.output
     assert is_dflash_head(out)
     cfg, tensors = read_dflash_gguf(out)
@@ -106,3 +107,12 @@ def test_train_head_dflash_writes_a_dflash_head(tmp_path: Path, smollm2_path: Pa
     meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
     assert meta.value("edgespec.head.trained_steps") == "3"
     assert len(meta.value("edgespec.head.heldout_acceptance").split(",")) == 7
+    spark = tmp_path / "dspark.gguf"
+    result = runner.invoke(cli.app, ["train-head", *common, "--out", str(spark), "--kind", "dspark", "--base", str(out),
+                                     "--markov-rank", "8"])
+    assert result.exit_code == 0, result.output
+    scfg, stensors = read_dflash_gguf(spark)
+    assert scfg.markov_rank == 8 and scfg.has_confidence and not scfg.sample_from_anchor
+    assert set(stensors) - set(tensors) == {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight",
+                                            "conf_proj.bias"}
+    assert all(np.array_equal(stensors[k], tensors[k]) for k in tensors)  # the base, frozen

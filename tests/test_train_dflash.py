@@ -15,7 +15,7 @@ from train_fixtures import LAYERS, build_caches  # noqa: E402
 
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors  # noqa: E402
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash  # noqa: E402
-from edgespec.train.dspark_model import DSparkConfig, TorchDSpark, init_dspark  # noqa: E402
+from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark  # noqa: E402
 from edgespec.train.features import FeatureCache  # noqa: E402
 from edgespec.train.pipeline import HeadJob, build_head  # noqa: E402
 from edgespec.train.trainer import TrainConfig, Trainer  # noqa: E402
@@ -115,7 +115,7 @@ def trained_dspark(caches, trained_dflash):
     train, held, _, _ = caches
     base = trained_dflash[0].model
     frozen = TorchDFlash(base.config, base.to_numpy(), base.tok_embd.numpy())
-    model = TorchDSpark(frozen, init_dspark(DSparkConfig(base.config, 16), seed=0), 16)
+    model = TorchDSpark(frozen, init_dspark(dspark_config(base.config, 16), seed=0), 16)
     tr = Trainer(model, train.files(), held.files(), TrainConfig(batch=4, lr=1e-2, step_decay=DFLASH_DECAY, anchors=16))
     seq = tr._tensors(held.files()[0])
     with torch.no_grad():
@@ -158,3 +158,31 @@ def test_mask_token_of_the_tiny_target_is_its_unknown_token(caches):
     assert caches[2]["mask_token_id"] == 0  # SmolLM2's tokenizer: <|endoftext|>, the unknown token
     z = FeatureCache.load_file(caches[0].files()[0])
     assert 0 not in z["tokens"][1:].tolist()
+
+
+def test_exported_dspark_head_reads_back_as_the_numpy_dspark(trained_dspark, caches, tmp_path, tiny_target):
+    """The exported GGUF (F32), read by the numpy DFlash + DSpark heads, gives the torch model's Markov
+    logits and confidences for every row of a block (prev teacher-forced, as in training)."""
+    from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.dspark import MarkovHead
+
+    tr = trained_dspark[0]
+    path = tr.export(tmp_path / "dspark.gguf", Path(tiny_target), "f32")
+    cfg, tensors = read_dflash_gguf(path)
+    assert cfg == tr.model.config and cfg.markov_rank == 16 and cfg.has_confidence
+    head = DFlashHead(cfg, tensors, tok_embd=caches[2]["tok_embd"])
+    markov = MarkovHead(cfg, tensors)
+    seq = tr._tensors(caches[1].files()[0])
+    anchor = 20
+    head.inject(seq["feats"][:anchor].numpy())
+    z, h = head.forward_block(head.block_tokens(int(seq["tokens"][anchor])))
+    with torch.no_grad():
+        a, _, tz, th = tr.model.base.anchor_blocks(seq, None, 0)
+        m = int((a == anchor).nonzero()[0, 0])
+        prev = seq["tokens"][anchor:anchor + 7]
+        logits, conf = tr.model.markov(tz[m, 1:], th[m, 1:], prev)
+    for r in range(1, 8):
+        ref = markov.apply(z[r], int(prev[r - 1]))[tensors["d2t"]]
+        np.testing.assert_allclose(logits[r - 1].numpy(), ref, atol=1e-3)
+        ref_conf = markov.confidence(h[r], int(prev[r - 1]))
+        assert abs(float(torch.sigmoid(conf[r - 1])) - ref_conf) < 1e-4

@@ -1,7 +1,8 @@
 """DSpark's Markov and confidence heads in torch, trained on top of a frozen DFlash head.
 
-The math is llama.cpp's (vendored src/models/dflash.cpp ``build_dspark_markov_head`` with
-``dflash.sample_from_anchor`` = false: the rows are DFlash's). R = the Markov rank.
+The math is ``edgespec.heads.dspark``'s, i.e. llama.cpp's (vendored src/models/dflash.cpp
+``build_dspark_markov_head`` with ``dflash.sample_from_anchor`` = false: the rows are DFlash's).
+R = the Markov rank.
   z_r = the DFlash head's draft logits of block row r (V_d), h_r = its output-normed hidden (H);
   prev_1 = the anchor token, prev_r = the token of row r−1 (teacher-forced in training: t_{a+r−1});
   e_r = markov_w1[prev_r] (R);   logits_r = z_r + markov_w2 · e_r;
@@ -19,7 +20,7 @@ DSpark head and its base differ by the Markov term alone.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,32 +30,21 @@ import torch
 from torch import nn
 
 from edgespec.heads.dflash import DFlashConfig
+from edgespec.heads.dspark import MARKOV_TENSORS
 from edgespec.train.dflash_model import TorchDFlash
 from edgespec.train.model import chain_counts
 
-DSPARK_TENSORS = ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias")
+
+def dspark_config(base: DFlashConfig, markov_rank: int) -> DFlashConfig:
+    """The DSpark head's config: its DFlash base's with a rank-R Markov head and a confidence head
+    (bonus-anchor layout, ``sample_from_anchor`` = false)."""
+    if base.markov_rank:
+        raise ValueError("the base of a DSpark head must be a plain DFlash head (it has a Markov head already)")
+    return replace(base, markov_rank=markov_rank, has_confidence=True, sample_from_anchor=False)
 
 
-@dataclass(frozen=True)
-class DSparkConfig:
-    """A DSpark head: its DFlash base's hyperparameters and the Markov rank R."""
-
-    dflash: DFlashConfig
-    markov_rank: int = 32
-
-    @property
-    def n_vocab(self) -> int:
-        return self.dflash.n_vocab
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """The DSpark tensors' numpy shapes."""
-        c, r = self.dflash, self.markov_rank
-        return {"markov_w1.weight": (c.n_vocab, r), "markov_w2.weight": (c.n_draft_vocab, r),
-                "conf_proj.weight": (1, c.n_embd + r), "conf_proj.bias": (1,)}
-
-
-def init_dspark(config: DSparkConfig, seed: int) -> dict[str, npt.NDArray[np.float32]]:
-    """Initial DSpark tensors (see the module docstring)."""
+def init_dspark(config: DFlashConfig, seed: int) -> dict[str, npt.NDArray[np.float32]]:
+    """Initial DSpark tensors of a ``dspark_config`` (see the module docstring)."""
     rng = np.random.default_rng(seed)
     s = config.shapes()
     w1 = rng.standard_normal(s["markov_w1.weight"], dtype=np.float32) / np.float32(np.sqrt(config.markov_rank))
@@ -74,8 +64,9 @@ class TorchDSpark(nn.Module):
 
     def __init__(self, base: TorchDFlash, tensors: Mapping[str, npt.NDArray[Any]], markov_rank: int) -> None:
         super().__init__()
-        self.config = DSparkConfig(base.config, markov_rank)
-        for name, shape in self.config.shapes().items():
+        self.config = dspark_config(base.config, markov_rank)
+        for name in MARKOV_TENSORS:
+            shape = self.config.shapes()[name]
             if tuple(tensors[name].shape) != shape:
                 raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
         self.base = base.requires_grad_(False)
@@ -112,7 +103,7 @@ class TorchDSpark(nn.Module):
         """
         with torch.no_grad():
             a, block, z, h = self.base.anchor_blocks(seq, rng, train.anchors)
-        b = self.config.dflash.block_size
+        b = self.config.block_size
         prev = seq["tokens"][a[:, None] + torch.arange(b - 1)]  # (M, B−1): t_{a+r−1}, the anchor first
         logits, conf = self.markov(z[:, 1:], h[:, 1:], prev)
         labels = self.base.row_labels(seq, t2d, a)
@@ -139,5 +130,5 @@ class TorchDSpark(nn.Module):
         """Write the head as a llama.cpp dflash GGUF with DSpark's tensors (``write_dflash_gguf``)."""
         from edgespec.heads.dflash_gguf import write_dflash_gguf
 
-        return write_dflash_gguf(path, self.config.dflash, self.to_numpy(), vocab_source=vocab_source,
+        return write_dflash_gguf(path, self.config, self.to_numpy(), vocab_source=vocab_source,
                                  weight_type=weight_type, extra_kv=extra_kv)

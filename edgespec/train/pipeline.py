@@ -23,7 +23,7 @@ from edgespec.heads.gguf_io import read_gguf
 from edgespec.train import prompts as P
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
-from edgespec.train.dspark_model import DSparkConfig, TorchDSpark, init_dspark
+from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
 from edgespec.train.features import CachePlan, build_cache
 from edgespec.train.model import TorchEagle3, TrainableHead
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
@@ -113,12 +113,14 @@ def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t:
     if job.base is None:
         raise ValueError("--kind dspark needs --base, a trained DFlash head GGUF")
     base_cfg, tensors = read_dflash_gguf(job.base)
+    if base_cfg.markov_rank:
+        raise ValueError(f"--base {job.base} is a DSpark head; give the plain DFlash head it was trained on")
     if base_cfg.target_layers != tuple(layers) or base_cfg.n_vocab != n_vocab or base_cfg.n_embd != info["n_embd"]:
         raise ValueError(f"--base {job.base} was not trained on this target's features (layers "
                          f"{base_cfg.target_layers}, V {base_cfg.n_vocab}, H {base_cfg.n_embd}; the target: "
                          f"{tuple(layers)}, {n_vocab}, {info['n_embd']})")
     base = TorchDFlash(base_cfg, tensors, info["tok_embd"])
-    return TorchDSpark(base, init_dspark(DSparkConfig(base_cfg, job.markov_rank), job.seed), job.markov_rank)
+    return TorchDSpark(base, init_dspark(dspark_config(base_cfg, job.markov_rank), job.seed), job.markov_rank)
 
 
 def train_head(job: HeadJob, note: Callable[[str], None] = print,
