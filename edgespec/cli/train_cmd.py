@@ -79,8 +79,9 @@ def train_head(
         summary = run(job, note=ui.status, progress=bar.extract, on_step=bar.step)
     end = summary["end"]
     acc = " ".join(f"{a:.2f}" for a in end["acceptance"]) if end else "n/a"
+    tau = f" (τ ≈ {end['tau']:.2f})" if end else ""
     ui.status(f"wrote {summary['out']} after {summary['steps']} steps ({summary['seconds']:.0f} s); "
-              f"held-out top-1 acceptance by position: {acc}")
+              f"held-out top-1 acceptance by position: {acc}{tau}")
 
 
 class _TrainProgress:

@@ -136,7 +136,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, files: Sequence[Path] | None = None, steps: int | None = None) -> dict[str, Any]:
-        """Held-out loss and chained top-1 acceptance per draft position (1..depth)."""
+        """Held-out loss, chained top-1 acceptance per draft position (1..depth) and τ = 1 + Σ acceptance."""
         files = self.val_files if files is None else files
         hits: npt.NDArray[np.float64] | None = None
         counts = np.zeros(0)
@@ -148,7 +148,8 @@ class Trainer:
                 losses.append(float(loss.detach()))
             hits, counts = (h, c) if hits is None else (hits + h, counts + c)
         acc = (hits / np.maximum(counts, 1)).tolist() if hits is not None else []
-        return {"loss": float(np.mean(losses)) if losses else float("nan"), "acceptance": acc}
+        # τ-estimate: expected tokens per target pass with greedy verification of `depth` drafts
+        return {"loss": float(np.mean(losses)) if losses else float("nan"), "acceptance": acc, "tau": 1.0 + sum(acc)}
 
     # -- optimisation ------------------------------------------------------------------------------
 
