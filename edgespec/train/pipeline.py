@@ -1,7 +1,11 @@
 """``edgespec train-head`` end to end: corpus → feature cache → d2t → head → training → GGUF.
 
+Kinds: ``eagle3``, ``dflash`` (``edgespec.train.dflash_model``) and ``dspark`` (Markov and
+confidence heads on a frozen DFlash head, ``edgespec.train.dspark_model``). All read the same feature
+cache (EAGLE-3's target layers by default), so one work directory serves every kind.
+
 Work directory (default ``$EDGESPEC_HOME/train/<target file stem>``): ``train/`` and ``heldout/``
-feature caches, ``d2t.npy`` and ``checkpoint.pt``. Rerunning resumes the extraction; ``resume``
+feature caches, ``d2t-<V_d>.npy`` and one ``checkpoint-<kind>…pt`` per head kind and shape. Rerunning resumes the extraction; ``resume``
 continues training from the checkpoint (the budget then counts the new run's seconds only).
 Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on.
 """
