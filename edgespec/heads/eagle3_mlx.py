@@ -18,6 +18,8 @@ import numpy.typing as npt
 
 from edgespec.backends.mlx import import_mlx
 from edgespec.heads.eagle3 import BLK, Eagle3Config
+from edgespec.heads.mlx_ops import (merge_heads, mx_matrix, silu_ffn, split_heads, to_target_vocab,
+                                    transposed_weights)
 
 F32 = npt.NDArray[np.float32]
 
@@ -37,18 +39,10 @@ class MlxEagle3Head:
         self._mx = mx = import_mlx()
         config.check_tensors(tensors)
         self.config = config
-        embd = tensors.get("token_embd.weight", tok_embd)
-        shape = None if embd is None else tuple(embd.shape)
-        if shape != (config.n_vocab, config.n_embd):
-            raise ValueError(f"the head needs token embeddings of shape {(config.n_vocab, config.n_embd)} "
-                             f"(its own or the target's; got {shape})")
-        self.tok_embd = embd if isinstance(embd, mx.array) else mx.array(np.asarray(embd, np.float32))
-        # matrices kept transposed, (in, out): on MLX's CPU x @ W runs ~3× faster than x @ Wᵀ of the
-        # GGUF layout (measured 2.4 vs 8.0 ms for SmolLM2-sized 8192 × 576 output rows)
-        self.w = {k: mx.array(np.ascontiguousarray(np.asarray(v, np.float32).T)) for k, v in tensors.items()
-                  if k not in ("d2t", "token_embd.weight")}
+        self.tok_embd = mx_matrix(mx, tensors.get("token_embd.weight", tok_embd), (config.n_vocab, config.n_embd),
+                                  "token embeddings")
+        self.w = transposed_weights(mx, tensors, skip=("d2t", "token_embd.weight"))  # (in, out)
         self.d2t = np.asarray(tensors["d2t"], np.int64) if "d2t" in tensors else None
-        mx.eval(self.w)
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k, self._v = mx.zeros(kv, mx.float32), mx.zeros(kv, mx.float32)
 
@@ -108,28 +102,21 @@ class MlxEagle3Head:
         x = mx.concatenate([e, gn], axis=1)  # (n, 2H)
 
         def heads(y: Any, count: int) -> Any:  # (n, count·d) → (1, count, n, d), RoPE'd at p0..p0+n-1
-            y = y.reshape(1, n, count, hd).transpose(0, 2, 1, 3)
-            return mx.fast.rope(y, c.n_rot, traditional=True, base=c.rope_base, scale=1.0, offset=p0)
+            return mx.fast.rope(split_heads(y, n, count, hd), c.n_rot, traditional=True, base=c.rope_base,
+                                scale=1.0, offset=p0)
 
         q = heads(x @ w[BLK + "attn_q.weight"], c.n_head)
         k = heads(x @ w[BLK + "attn_k.weight"], c.n_head_kv)
-        v = (x @ w[BLK + "attn_v.weight"]).reshape(1, n, c.n_head_kv, hd).transpose(0, 2, 1, 3)
+        v = split_heads(x @ w[BLK + "attn_v.weight"], n, c.n_head_kv, hd)
         self._k = mx.concatenate([self._k, k], axis=2)
         self._v = mx.concatenate([self._v, v], axis=2)
         mask = mx.arange(p0 + n)[None, :] <= mx.arange(p0, p0 + n)[:, None]  # (n, p0+n): causal
         a = mx.fast.scaled_dot_product_attention(q, self._k, self._v, scale=hd ** -0.5, mask=mask)
-        a = a.transpose(0, 2, 1, 3).reshape(n, c.n_head * hd)
-        r = a @ w[BLK + "attn_output.weight"] + (gn if c.norm_before_residual else gx)
+        r = merge_heads(a, n) @ w[BLK + "attn_output.weight"] + (gn if c.norm_before_residual else gx)
         y = self._rms_norm(r, BLK + "ffn_norm.weight")
-        gate = y @ w[BLK + "ffn_gate.weight"]
-        h = (gate * mx.sigmoid(gate) * (y @ w[BLK + "ffn_up.weight"])) @ w[BLK + "ffn_down.weight"] + r
+        h = silu_ffn(mx, y, w[BLK + "ffn_gate.weight"], w[BLK + "ffn_up.weight"], w[BLK + "ffn_down.weight"]) + r
         if rows == "last":
             h = h[-1:]
         z = self._rms_norm(h, "output_norm.weight") @ w["output.weight"]  # (k, V_d)
         mx.eval(z, h, self._k, self._v)
-        z_np, h_np = np.array(z), np.array(h)
-        if self.d2t is None:
-            return z_np, h_np
-        logits = np.full((len(h_np), c.n_vocab), -np.inf, np.float32)
-        logits[:, self.d2t] = z_np
-        return logits, h_np
+        return to_target_vocab(np.array(z), self.d2t, c.n_vocab), np.array(h)
