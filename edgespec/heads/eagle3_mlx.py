@@ -18,8 +18,14 @@ import numpy.typing as npt
 
 from edgespec.backends.mlx import import_mlx
 from edgespec.heads.eagle3 import BLK, Eagle3Config
-from edgespec.heads.mlx_ops import (merge_heads, mx_matrix, silu_ffn, split_heads, to_target_vocab,
-                                    transposed_weights)
+from edgespec.heads.mlx_ops import (
+    merge_heads,
+    mx_matrix,
+    silu_ffn,
+    split_heads,
+    to_target_vocab,
+    transposed_weights,
+)
 
 F32 = npt.NDArray[np.float32]
 
