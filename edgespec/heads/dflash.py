@@ -28,6 +28,7 @@ shared K/V (no attn_v), sliding-window attention, M-RoPE sections and non-SiLU a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -166,7 +167,53 @@ def _mm(x: npt.NDArray, w: F32) -> F32:
     return (np.asarray(x, np.float64) @ w.T.astype(np.float64)).astype(np.float32)
 
 
-class DFlashHead:
+class DFlashBlocks(ABC):
+    """What every in-process DFlash head derives from its ``config`` and ``forward_block``: the block
+    layout, its validation and greedy drafting (DFlashHead here, heads.dflash_mlx.MlxDFlashHead)."""
+
+    config: DFlashConfig
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def block_tokens(self, anchor: int, n: int | None = None) -> list[int]:
+        """[anchor, MASK×(n−1)], n = block_size by default (common/speculative.cpp's noise block)."""
+        n = self.config.block_size if n is None else n
+        return [int(anchor)] + [self.config.mask_token_id] * (n - 1)
+
+    def check_block(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        """The block's ids as int64; ValueError unless it holds 1..block_size target ids."""
+        c = self.config
+        if not 1 <= len(tokens) <= c.block_size:
+            raise ValueError(f"a block holds 1..{c.block_size} tokens (got {len(tokens)})")
+        ids = np.asarray(tokens, np.int64)
+        if ids.min() < 0 or ids.max() >= c.n_vocab:
+            raise ValueError(f"block tokens must be target ids in 0..{c.n_vocab - 1}")
+        return ids
+
+    @abstractmethod
+    def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
+        """(logits (b, V) with −inf outside the draft vocabulary, the normed hidden (b, H))."""
+
+    def block_logits(self, tokens: Sequence[int]) -> F32:
+        """Only the logits of ``forward_block`` (the interface LlamaDFlashHead shares)."""
+        return self.forward_block(tokens)[0]
+
+    def draft(self, anchor: int, n_draft: int | None = None) -> list[int]:
+        """Greedy drafts after ``anchor`` (the last accepted token, at position n_past): argmax of
+        block rows 1..n_draft, n_draft ≤ block_size − 1 (default: all of them)."""
+        n_draft = self.config.block_size - 1 if n_draft is None else n_draft
+        if not 1 <= n_draft < self.config.block_size:
+            raise ValueError(f"n_draft must be in 1..{self.config.block_size - 1} (got {n_draft})")
+        return [int(i) for i in self.block_logits(self.block_tokens(anchor, n_draft + 1))[1:].argmax(axis=1)]
+
+
+class DFlashHead(DFlashBlocks):
     """The DFlash head in numpy, with its context KV cache (target positions 0..n_past−1).
 
     Args:
@@ -205,14 +252,6 @@ class DFlashHead:
         """Target positions whose features are in the context KV cache."""
         return len(self._k[0])
 
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
     def truncate(self, n_past: int) -> None:
         """Drop the context entries of positions ≥ n_past (after a rejection)."""
         self._k = [k[:n_past] for k in self._k]
@@ -240,11 +279,6 @@ class DFlashHead:
             self._k[i], self._v[i] = np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v])
         return g
 
-    def block_tokens(self, anchor: int, n: int | None = None) -> list[int]:
-        """[anchor, MASK×(n−1)], n = block_size by default (common/speculative.cpp's noise block)."""
-        n = self.config.block_size if n is None else n
-        return [int(anchor)] + [self.config.mask_token_id] * (n - 1)
-
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
         """The decoder on a block at positions n_past..n_past+b−1, attending to the whole context
         cache and the whole block; the cache is left unchanged.
@@ -256,12 +290,8 @@ class DFlashHead:
             (logits (b, V) with −inf outside the draft vocabulary, the normed hidden (b, H)).
         """
         c, t = self.config, self.tensors
-        b = len(tokens)
-        if not 1 <= b <= c.block_size:
-            raise ValueError(f"a block holds 1..{c.block_size} tokens (got {b})")
-        ids = np.asarray(tokens, np.int64)
-        if ids.min() < 0 or ids.max() >= c.n_vocab:
-            raise ValueError(f"block tokens must be target ids in 0..{c.n_vocab - 1}")
+        ids = self.check_block(tokens)
+        b = len(ids)
         x = self.tok_embd[ids]
         if c.embedding_scale:
             x = (x * np.float32(c.embedding_scale)).astype(np.float32)
@@ -288,15 +318,3 @@ class DFlashHead:
         logits = np.full((b, c.n_vocab), -np.inf, np.float32)
         logits[:, self.d2t] = _mm(h, self.lm_head)
         return logits, h
-
-    def block_logits(self, tokens: Sequence[int]) -> F32:
-        """Only the logits of ``forward_block`` (the interface LlamaDFlashHead shares)."""
-        return self.forward_block(tokens)[0]
-
-    def draft(self, anchor: int, n_draft: int | None = None) -> list[int]:
-        """Greedy drafts after ``anchor`` (the last accepted token, at position n_past): argmax of
-        block rows 1..n_draft, n_draft ≤ block_size − 1 (default: all of them)."""
-        n_draft = self.config.block_size - 1 if n_draft is None else n_draft
-        if not 1 <= n_draft < self.config.block_size:
-            raise ValueError(f"n_draft must be in 1..{self.config.block_size - 1} (got {n_draft})")
-        return [int(i) for i in self.block_logits(self.block_tokens(anchor, n_draft + 1))[1:].argmax(axis=1)]
