@@ -46,7 +46,7 @@ def load(
         drafter: None (plain decoding), "ngram" (prompt lookup), a same-vocabulary GGUF path/name, or
             an EAGLE-3 or DFlash head GGUF (general.architecture "eagle3" / "dflash"): the target is
             then opened to capture the hidden states the head reads, and the head runs on the same
-            backend (a DFlash head on an MLX target runs in numpy, untested there). A dflash GGUF with
+            backend (on MLX: heads.eagle3_mlx / heads.dflash_mlx). A dflash GGUF with
             DSpark's Markov head (markov_w1.weight) drafts with DSparkDrafter.
         backend: "llama.cpp" or "mlx" (GGUF files are converted to MLX once and cached; the draft
             model runs on the same backend).

@@ -4,6 +4,7 @@ chunking, row choices and rollback; and Gemma 3's scaled layer inputs on a tiny 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +136,25 @@ def test_gemma3_features_are_the_scaled_layer_inputs(tmp_path: Path):
     np.testing.assert_allclose(got[:, 32:64], np.array(h2[0]), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(got[:, 64:], got[:, 32:64])
     assert np.abs(np.array(h1[0]) - np.array(body.layers[0](h / 32 ** 0.5, "causal", None)[0])).max() > 1e-2
+
+
+def test_lm_head_weights_are_the_targets(tmp_path: Path):
+    """What an MLX DFlash head without its own LM head borrows: lm_head's weight, dequantized for a
+    quantized model (then x·Wᵀ equals the quantized layer), or the tied token embeddings."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_fixtures import build_tiny_mlx
+
+    from edgespec.backends.reference import ReferenceBackend
+
+    d = build_tiny_mlx(tmp_path / "llama", n_vocab=6, seed=0)
+    with MlxFeatureBackend(d, layers=(1,), vocab=ReferenceBackend(6)) as b:
+        assert b.lm_head_weights() is b.model.lm_head.weight
+        nn.quantize(b.model, group_size=32, bits=4)
+        w = b.lm_head_weights()
+        x = mx.random.normal((3, 32), key=mx.random.key(0))
+        assert w.shape == (6, 32) and mx.abs(x @ w.T - b.model.lm_head(x)).max().item() < 1e-5
+    config = json.loads((d / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (d / "config.json").write_text(json.dumps(config))  # mlx-lm's llama then drops lm_head.weight
+    with MlxFeatureBackend(d, layers=(1,), vocab=ReferenceBackend(6)) as b:
+        assert "lm_head" not in b.model and b.lm_head_weights() is b.token_embeddings()

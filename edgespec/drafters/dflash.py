@@ -34,12 +34,12 @@ from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.sampling import SamplingParams, process, sample
 
 F32 = npt.NDArray[np.float32]
-HeadImpl = Literal["auto", "numpy", "llama"]
+HeadImpl = Literal["auto", "numpy", "llama", "mlx"]
 
 
 class DFlashRunner(Protocol):
-    """What the drafter needs from a head: heads.dflash.DFlashHead (numpy) or
-    heads.dflash_llama.LlamaDFlashHead (libllama)."""
+    """What the drafter needs from a head: heads.dflash.DFlashHead (numpy),
+    heads.dflash_mlx.MlxDFlashHead (MLX) or heads.dflash_llama.LlamaDFlashHead (libllama)."""
 
     @property
     def n_past(self) -> int: ...
@@ -209,20 +209,24 @@ def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
     Args:
         head: the DFlash head GGUF.
         target: the feature target.
-        impl: "llama" runs the head on libllama (LlamaDFlashHead, tested equal to numpy), "numpy" on
-            the numpy reference (token embeddings / LM head the head lacks are read from the
-            target's GGUF); "auto" takes libllama for a llama.cpp target, numpy otherwise.
+        impl: "llama" runs the head on libllama (LlamaDFlashHead, tested equal to numpy), "mlx" on MLX
+            (MlxDFlashHead, tested equal to numpy; token embeddings / LM head the head lacks are an
+            MLX target's own weights), "numpy" on the numpy reference (those read from the target's
+            GGUF); "auto" takes libllama for a llama.cpp target, MLX for an MLX target, numpy
+            otherwise. A DSpark head's Markov head runs in numpy on every impl.
         threads: CPU threads of the libllama head (default: the target's).
     """
     from edgespec.backends.llama_cpp import LlamaCppBackend
+    from edgespec.backends.mlx import MlxBackend
 
-    if impl not in ("auto", "numpy", "llama"):
-        raise ValueError(f"impl must be 'auto', 'numpy' or 'llama' (got {impl!r})")
+    if impl not in ("auto", "numpy", "llama", "mlx"):
+        raise ValueError(f"impl must be 'auto', 'numpy', 'llama' or 'mlx' (got {impl!r})")
     check_dflash_head(head, target)
     from edgespec.heads.dflash_gguf import read_dflash_gguf
     from edgespec.heads.dspark import MarkovHead
 
     on_llama = impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend))
+    on_mlx = impl == "mlx" or (impl == "auto" and isinstance(target, MlxBackend))
     dspark = "markov_w1.weight" in head_meta(head, "dflash").tensors
     if dspark or not on_llama:  # the libllama DSpark head needs the Markov weights host-side too
         config, tensors = read_dflash_gguf(Path(head).expanduser())
@@ -235,17 +239,33 @@ def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadI
             raise EdgespecError(f"the libllama DFlash head needs a llama.cpp target (got {target.name})")
         runner = LlamaDFlashHead(head, target, threads=threads, markov=markov)
     else:
-        from edgespec.heads.dflash import DFlashHead
-        from edgespec.heads.gguf_io import read_gguf
-
         embd = output = None
         if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
-            t = read_gguf(target.path)
-            embd = t.tensor("token_embd.weight")
-            output = t.tensor("output.weight") if "output.weight" in t.tensors else embd
-        runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
+            embd, output = _target_matrices(target, on_mlx, need_output="output.weight" not in tensors)
+        if on_mlx:
+            from edgespec.heads.dflash_mlx import MlxDFlashHead
+
+            runner = MlxDFlashHead(config, tensors, tok_embd=embd, output=output)
+        else:
+            from edgespec.heads.dflash import DFlashHead
+
+            runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
     if markov is None:
         return DFlashDrafter(runner, target)
     from edgespec.drafters.dspark import DSparkDrafter
 
     return DSparkDrafter(runner, target, markov)  # type: ignore[arg-type]  # both heads have forward_block
+
+
+def _target_matrices(target: Backend, as_mx: bool, need_output: bool) -> tuple[Any, Any]:
+    """The target's token embeddings (V, H) and, if `need_output`, its LM head (V, H) (else None):
+    an MLX feature target's own mx weights for the MLX head (no copies), else its GGUF's tensors."""
+    if as_mx and hasattr(target, "lm_head_weights"):
+        return target.token_embeddings(), (target.lm_head_weights() if need_output else None)
+    from edgespec.heads.gguf_io import read_gguf
+
+    t = read_gguf(target.path)
+    embd = t.tensor("token_embd.weight")
+    if not need_output:
+        return embd, None
+    return embd, (t.tensor("output.weight") if "output.weight" in t.tensors else embd)
