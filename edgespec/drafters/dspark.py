@@ -27,7 +27,8 @@ F32 = npt.NDArray[np.float32]
 
 class DSparkRunner(DFlashRunner, Protocol):
     """A DFlash runner that also gives a block's base logits (no Markov bias) and normed hiddens:
-    heads.dflash.DFlashHead, or heads.dflash_llama.LlamaDFlashHead opened with the Markov head."""
+    heads.dflash.DFlashHead, heads.dflash_mlx.MlxDFlashHead, or heads.dflash_llama.LlamaDFlashHead opened
+    with the Markov head."""
 
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]: ...
 
