@@ -53,6 +53,45 @@ def test_torch_block_equals_numpy(kw):
     np.testing.assert_allclose(h.numpy(), ref_h, atol=1e-4)
 
 
+def test_feature_scale_is_folded_into_the_exported_fc():
+    """Training on features ⊙ scale and exporting fc ⊙ scale is the same function: the numpy head on
+    the exported tensors and raw features == the torch head on raw features."""
+    cfg, tensors, emb = _random_head()
+    rng = np.random.default_rng(4)
+    scale = np.exp(rng.normal(0, 2, cfg.n_embd_enc)).astype(np.float32)  # spans ~e^±6
+    model = TorchDFlash(cfg, tensors, emb)
+    model.set_feature_scale(scale)
+    feats = (rng.standard_normal((9, cfg.n_embd_enc)) / scale).astype(np.float32)
+    exported = model.to_numpy()
+    np.testing.assert_allclose(exported["fc.weight"], tensors["fc.weight"] * scale[None, :], rtol=1e-6)
+    head = DFlashHead(cfg, exported, tok_embd=emb)
+    head.inject(feats)
+    ref = head.block_logits(head.block_tokens(7))
+    with torch.no_grad():
+        logits, _ = model.forward_block(torch.tensor(feats), torch.tensor(head.block_tokens(7)))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(logits.numpy()[fin], ref[fin], atol=1e-4)
+
+
+def test_feature_rms_per_dimension(caches):
+    from edgespec.train.pipeline import feature_rms
+
+    train = caches[0]
+    x = np.concatenate([FeatureCache.load_file(f)["feats"] for f in train.files()[:3]]).astype(np.float64)
+    want = np.sqrt((x * x).mean(0))
+    np.testing.assert_allclose(feature_rms(train.files(), n_files=3), np.maximum(want, 1e-3 * np.median(want)),
+                               rtol=1e-5)
+
+
+def test_linear_learning_rate_decay(caches):
+    trainer = _dflash(caches, batch=1, lr=1e-3, decay_steps=4)
+    seen = []
+    for _ in range(4):
+        trainer.train_step()
+        seen.append(trainer.opt.param_groups[0]["lr"])
+    np.testing.assert_allclose(seen, [1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+
+
 def test_training_blocks_are_drafting_blocks():
     """Block m of the batched training forward (anchor a, context p < a) == the numpy head drafting
     after a context of a positions with t_a pending."""

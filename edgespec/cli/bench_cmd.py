@@ -17,7 +17,7 @@ def bench(
                                         "--backend mlx also an mlx-lm directory).")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
         "--drafter", help="Drafter config (repeatable): 'ngram', a same-vocabulary GGUF path/name, or an "
-                                "EAGLE-3 head GGUF.")] = None,
+                                "EAGLE-3 / DFlash / DSpark head GGUF.")] = None,
     k: Annotated[list[str] | None, typer.Option(
         "-k", "--num-draft", help="γ values (repeatable): integers >= 1, or 'auto' for the scheduler "
                                   "(default: 4 and auto).")] = None,

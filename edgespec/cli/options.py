@@ -90,7 +90,7 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`); "
                                "with --backend mlx also an mlx-lm model directory."),
     "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
-                                "an EAGLE-3 head GGUF, or 'none'."),
+                                "a head GGUF (EAGLE-3, DFlash, DSpark), or 'none'."),
     "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
                                 "converted to MLX once and cached; needs `pip install 'edgespec[mlx]'`)."),
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "

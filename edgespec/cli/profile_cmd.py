@@ -13,8 +13,8 @@ from edgespec.cli import ui
 def profile(
     model: Annotated[str, typer.Option("--model", "-m", help="Target: GGUF path or known model name.")] = "smollm2",
     drafter: Annotated[str, typer.Option(
-        "--drafter", help="Drafter to cost and to measure acceptance with ('ngram', a draft GGUF, an EAGLE-3 "
-                         "head GGUF, or 'none').")] = "ngram",
+        "--drafter", help="Drafter to cost and to measure acceptance with ('ngram', a draft GGUF, a head "
+                         "GGUF (EAGLE-3, DFlash, DSpark), or 'none').")] = "ngram",
     max_k: Annotated[int, typer.Option("--max-k", min=2, max=64, help="Time forwards of 1..K tokens.")] = 16,
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Alternating repeats (medians).")] = 5,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads.")] = None,
@@ -38,6 +38,7 @@ def profile(
         time_forward,
     )
     from edgespec.bench.tasks import load_tasks
+    from edgespec.drafters.base import draft_cost_prior
     from edgespec.drafters.feature_heads import is_feature_head, open_head_target
     from edgespec.engine import Engine
 
@@ -72,10 +73,16 @@ def profile(
             dm = getattr(engine.drafter, "model", None)
             if dm is not None:  # a draft model pays one forward per drafted token
                 prof.draft_per_token_ms = time_forward(dm, [1], repeats)[1]
-            elif hasattr(engine.drafter, "measure_ms_per_token"):  # a head: one chain step per token
-                prof.draft_per_token_ms = engine.drafter.measure_ms_per_token()
-                ui.status(f"head: {prof.draft_per_token_ms:.2f} ms per drafted token = "
-                          f"{prof.draft_per_token_ms / prof.t_forward_ms[1]:.1%} of the target's T(1)")
+            elif (cost := draft_cost_prior(engine.drafter)) is not None:  # a head: chain steps or one block
+                prof.draft_fixed_ms, prof.draft_per_token_ms = cost.fixed_ms, cost.per_token_ms
+                t1 = prof.t_forward_ms[1]
+                if cost.block:
+                    n = engine.drafter.head.block_size - 1
+                    ui.status(f"head: a block of {n} drafts costs {prof.t_draft(n):.2f} ms = {prof.t_draft(n) / t1:.1%} "
+                              f"of the target's T(1) ({cost.fixed_ms:.2f} ms fixed + {cost.per_token_ms:.3f} ms per row)")
+                else:
+                    ui.status(f"head: {cost.per_token_ms:.2f} ms per drafted token = "
+                              f"{cost.per_token_ms / t1:.1%} of the target's T(1)")
             g_max = max(gammas)
             tasks = list({t.category: t for t in reversed(load_tasks())}.values())  # the first of each category
             chat = target.metadata("tokenizer.chat_template") is not None

@@ -34,6 +34,8 @@ def train_head(
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")] = 192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
+    lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall linearly to 0 at "
+                                                              "--max-steps (default: constant).")] = False,
     block_size: Annotated[int, typer.Option("--block-size", help="dflash: block size B (anchor + B−1 "
                                                                  "drafts).")] = 8,
     dflash_layers: Annotated[int, typer.Option("--dflash-layers", help="dflash: decoder layers.")] = 1,
@@ -55,6 +57,8 @@ def train_head(
     if block_size < 2 or dflash_layers < 1 or markov_rank < 1:
         raise EdgespecError(f"need --block-size ≥ 2, --dflash-layers ≥ 1, --markov-rank ≥ 1 (got {block_size}, "
                             f"{dflash_layers}, {markov_rank})")
+    if lr_decay and not max_steps:
+        raise EdgespecError("--lr-decay needs --max-steps (the learning rate reaches 0 at the last step)")
     if weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
     try:
@@ -74,7 +78,7 @@ def train_head(
                   weight_type=weight_type, corpus_chars=corpus_chars,
                   n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
                   threads=threads or None, work_dir=work_dir, block_size=block_size, dflash_layers=dflash_layers,
-                  base=base, markov_rank=markov_rank, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
+                  base=base, markov_rank=markov_rank, lr_decay=lr_decay, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
     with _TrainProgress() as bar:
         summary = run(job, note=ui.status, progress=bar.extract, on_step=bar.step)
     end = summary["end"]

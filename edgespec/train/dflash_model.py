@@ -58,12 +58,28 @@ class TorchDFlash(GGUFHead):
             raise ValueError("TorchDFlash trains its own output.weight over the target's token embeddings")
         super().__init__([n for n in config.shapes() if n != "d2t"], tensors, config.n_vocab, tok_embd)
         self.config = config
+        # fc reads features ⊙ feat_scale (see set_feature_scale); exported folded into fc.weight
+        self.register_buffer("feat_scale", torch.ones(config.n_embd_enc), persistent=True)
+
+    def set_feature_scale(self, scale: npt.NDArray[np.float32]) -> None:
+        """Precondition fc: train it on features ⊙ ``scale`` (T·H,), exported as fc.weight ⊙ scale, the
+        same function. Residual streams carry a few dimensions 10³–10⁵ times the others (SmolLM2,
+        Gemma-3) in every row; llama.cpp's dflash applies fc to the raw features (no norm before it, unlike
+        EAGLE-3's ``norm_before_fc``), so without this those dimensions dominate fc's gradients. Call
+        before training: changing it afterwards changes the function."""
+        self.feat_scale.copy_(torch.as_tensor(np.asarray(scale, np.float32)))
+
+    def to_numpy(self) -> dict[str, npt.NDArray[Any]]:
+        out = super().to_numpy()
+        out["fc.weight"] = out["fc.weight"] * self.feat_scale.cpu().numpy()[None, :]
+        return out
 
     def context_kv(self, feats: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer the context K (RoPE'd at positions 0..n−1) and V: feats (n, T·H) →
         [(K (n, n_head_kv, d), V (n, n_head_kv, d))]."""
         c = self.config
-        g = rms_norm(feats @ self.p("fc.weight").T, self.p("enc.output_norm.weight"), c.rms_eps)  # (n, H)
+        g = rms_norm((feats * self.feat_scale) @ self.p("fc.weight").T, self.p("enc.output_norm.weight"),
+                     c.rms_eps)  # (n, H)
         n, pos = len(g), torch.arange(len(g))
         out = []
         for i in range(c.n_layer):

@@ -13,7 +13,7 @@ Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from edgespec.train import prompts as P
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
-from edgespec.train.features import CachePlan, build_cache
+from edgespec.train.features import CachePlan, FeatureCache, build_cache
 from edgespec.train.model import TorchEagle3, TrainableHead
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
 
@@ -61,6 +61,7 @@ class HeadJob:
     dflash_layers: int = 1  # dflash: decoder layers of the head
     base: Path | None = None  # dspark: the trained DFlash head it is built on (frozen)
     markov_rank: int = 32  # dspark: R
+    lr_decay: bool = False  # the learning rate falls linearly to 0 at max_steps
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -98,10 +99,24 @@ def mask_token(path: Path, n_vocab: int) -> int:
     return n_vocab - 1
 
 
-def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t: np.ndarray) -> TrainableHead:
+def feature_rms(files: Sequence[Path], n_files: int = 64) -> np.ndarray:
+    """Per feature dimension, the root mean square over the rows of the first ``n_files`` cached
+    sequences (floored at 1e-3 × the median, so a dead dimension is not blown up)."""
+    sq, rows = None, 0
+    for f in files[:n_files]:
+        x = FeatureCache.load_file(f)["feats"].astype(np.float64)
+        sq = (x * x).sum(0) if sq is None else sq + (x * x).sum(0)
+        rows += len(x)
+    rms = np.sqrt(sq / max(rows, 1))
+    return np.maximum(rms, 1e-3 * np.median(rms)).astype(np.float32)
+
+
+def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t: np.ndarray,
+               feature_files: Sequence[Path] = ()) -> TrainableHead:
     """The torch head of ``job.kind`` for a target (``target_info``) whose features are ``layers``:
     the target's width, attention shape, rope base and rms eps; eagle3/dflash initialised by
-    ``init_tensors``, dspark on the frozen DFlash head ``job.base``."""
+    ``init_tensors``, dspark on the frozen DFlash head ``job.base``. A DFlash head's fc is
+    preconditioned by the per-dimension RMS of ``feature_files`` (``TorchDFlash.set_feature_scale``)."""
     n_vocab = len(info["tok_embd"])
     borrowed = (info["lm_head"], info["output_norm"]) if job.init_from_target else ()
     if job.kind == "eagle3":
@@ -113,7 +128,10 @@ def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t:
                             n_head_kv=info["n_head_kv"], n_ff=info["n_ff"], target_layers=layers, n_vocab=n_vocab,
                             n_draft_vocab=len(d2t), mask_token_id=info["mask_token_id"], block_size=job.block_size,
                             head_dim=info["head_dim"], rms_eps=info["rms_eps"], rope_base=info["rope_base"])
-        return TorchDFlash(dcfg, init_tensors(dcfg, d2t, job.seed, *borrowed), info["tok_embd"])
+        head = TorchDFlash(dcfg, init_tensors(dcfg, d2t, job.seed, *borrowed), info["tok_embd"])
+        if feature_files:
+            head.set_feature_scale(1.0 / feature_rms(feature_files))
+        return head
     if job.base is None:
         raise ValueError("--kind dspark needs --base, a trained DFlash head GGUF")
     base_cfg, tensors = read_dflash_gguf(job.base)
@@ -176,8 +194,12 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     else:
         d2t = cache.d2t(len(info["tok_embd"]), job.draft_vocab)
         np.save(d2t_path, d2t)
-    model = build_head(job, info, layers, d2t)
+    model = build_head(job, info, layers, d2t, cache.files())
     decay = {"step_decay": DFLASH_DECAY} if job.kind != "eagle3" else {}
+    if job.lr_decay:
+        if not job.max_steps:
+            raise ValueError("a learning-rate decay needs --max-steps (it falls to 0 at the last step)")
+        decay["decay_steps"] = job.max_steps
     train_cfg = TrainConfig(**{**job.train.__dict__, **decay, "seed": job.seed})
     trainer = Trainer(model, cache.files(), held.files(), train_cfg)
     shape = {"eagle3": "", "dflash": f"-b{job.block_size}-l{job.dflash_layers}",

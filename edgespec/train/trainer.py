@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     bf16: bool = True  # bfloat16 autocast for the forward/backward (weights and optimizer stay float32)
+    decay_steps: int = 0  # > 0: the learning rate falls linearly from lr to 0 over this many steps
 
 
 def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
@@ -156,6 +157,9 @@ class Trainer:
     def train_step(self) -> float:
         """One AdamW step over ``batch`` sequences; returns the mean loss."""
         self.model.train()
+        if self.config.decay_steps:
+            for group in self.opt.param_groups:
+                group["lr"] = self.config.lr * max(0.0, 1.0 - self.step / self.config.decay_steps)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for b in range(self.config.batch):
