@@ -71,17 +71,27 @@ anchor: models
 	  echo >> bench/RESULTS.md; \
 	done
 
-# The shipped EAGLE-3 heads (models/): fixed seed, data and step counts (the budget is only a cap),
-# 1 thread as they were trained; feature caches and checkpoints go to $EDGESPEC_HOME/train/. Not part of
-# `make test`. Here: SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min + 963
-# steps in 34 min (two runs side by side, one thread each). Torch's float reductions make a rerun
+# The shipped heads (models/): fixed seed, data and step counts (the budget is only a cap), 1 thread as
+# they were trained; feature caches and checkpoints go to $EDGESPEC_HOME/train/. Not part of
+# `make test`. Here: EAGLE-3 SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min
+# + 963 steps in 34 min (two runs side by side, one thread each); DFlash 2000 / 1200 steps in 11 / 7 min,
+# DSpark 800 steps in 2 / 3 min. Torch's float reductions make a rerun
 # equal up to rounding, not bit for bit.
 SMOLLM2_HEAD_STEPS ?= 1470
 GEMMA3_HEAD_STEPS ?= 963
 HEAD_ARGS ?= --kind eagle3 --seed 0 --draft-vocab 8192 --lr 2e-3 --threads 1 --budget-min 300
+# DFlash heads (issue #7) reuse the EAGLE-3 runs' feature caches (same layers and data), block 8, one
+# layer, linear LR decay to 0 at the last step; DSpark = Markov + confidence heads trained on the frozen
+# DFlash head.
+DFLASH_ARGS ?= --kind dflash --seed 0 --draft-vocab 8192 --lr 2e-3 --lr-decay --threads 1 --budget-min 300
+DSPARK_ARGS ?= --kind dspark --seed 0 --draft-vocab 8192 --lr 2e-3 --lr-decay --threads 1 --budget-min 300
 heads: models
 	$(BIN)/edgespec train-head --target smollm2 --out models/smollm2-135m-eagle3.gguf --max-steps $(SMOLLM2_HEAD_STEPS) --corpus-chars 300000 $(HEAD_ARGS)
 	$(BIN)/edgespec train-head --target gemma3 --out models/gemma3-270m-eagle3.gguf --max-steps $(GEMMA3_HEAD_STEPS) --corpus-chars 60000 $(HEAD_ARGS)
+	$(BIN)/edgespec train-head --target smollm2 --out models/smollm2-135m-dflash.gguf --max-steps 2000 --corpus-chars 300000 $(DFLASH_ARGS)
+	$(BIN)/edgespec train-head --target gemma3 --out models/gemma3-270m-dflash.gguf --max-steps 1200 --corpus-chars 60000 $(DFLASH_ARGS)
+	$(BIN)/edgespec train-head --target smollm2 --out models/smollm2-135m-dspark.gguf --base models/smollm2-135m-dflash.gguf --max-steps 800 --corpus-chars 300000 $(DSPARK_ARGS)
+	$(BIN)/edgespec train-head --target gemma3 --out models/gemma3-270m-dspark.gguf --base models/gemma3-270m-dflash.gguf --max-steps 800 --corpus-chars 60000 $(DSPARK_ARGS)
 
 lint: install
 	$(BIN)/ruff check edgespec tests

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from edgespec.errors import ModelLoadError
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
 from edgespec.heads.dflash_gguf import read_dflash_gguf, write_dflash_gguf
 from edgespec.heads.dflash_llama import LlamaDFlashHead
+from edgespec.heads.gguf_io import read_gguf
 
 pytestmark = pytest.mark.real
 
@@ -86,3 +88,24 @@ def test_head_without_embeddings_needs_a_target_context(tmp_path: Path, smollm2_
     path = write_dflash_gguf(tmp_path / "bare.gguf", cfg, t, vocab_source=smollm2_path, weight_type="f32")
     with pytest.raises(ModelLoadError, match="cannot create a llama.cpp context for the DFlash head"):
         LlamaDFlashHead(path, n_ctx=64, threads=1)
+
+
+def test_features_beyond_float16_range_stay_finite(tmp_path: Path, smollm2_path: Path):
+    """Real residual streams have outlier dimensions beyond float16's range (Gemma-3-270M: ~1e5). With
+    llama.cpp's default F16 weights and flash attention, fc is still written F32, so such features
+    give finite logits equal to numpy's (an F16 fc turned them into NaN)."""
+    cfg = _config()
+    path = write_dflash_gguf(tmp_path / "h.gguf", cfg, random_tensors(cfg, seed=1, own_embd=True),
+                             vocab_source=smollm2_path, weight_type="f16")
+    feats = np.random.default_rng(0).standard_normal((6, cfg.n_embd_enc)).astype(np.float32)
+    feats[:, ::17] *= 1e5  # outlier dimensions, as in a real residual stream
+    ref = DFlashHead(*read_dflash_gguf(path))
+    head = LlamaDFlashHead(path, n_ctx=64, n_batch=64, threads=1)
+    try:
+        head.inject(feats)
+        ref.inject(feats)
+        toks = ref.block_tokens(17)
+        _finite_close(head.block_logits(toks), ref.block_logits(toks), 1e-2)
+    finally:
+        head.close()
+    assert read_gguf(path).tensors["fc.weight"][0] == gguf.GGMLQuantizationType.F32

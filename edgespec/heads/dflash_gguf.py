@@ -38,6 +38,11 @@ import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dspark import MARKOV_TENSORS
+
+# fc reads the raw fused target features, whose outlier dimensions exceed float16's range on real
+# targets (Gemma-3-270M: |x| up to ~1e5); ggml's CPU matmul converts the activations to the weight's
+# vec-dot type, so an F16 fc turns them into inf and the block's logits into NaN. F32 fc keeps them.
+F32_TENSORS = ("fc.weight", *MARKOV_TENSORS)
 from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 ARCH = "dflash"
@@ -81,7 +86,7 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
     if config.markov_rank:
         w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
         w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
-    finish_head_file(w, tok, tensors, weight_type, extra_kv, keep_f32=MARKOV_TENSORS)
+    finish_head_file(w, tok, tensors, weight_type, extra_kv, keep_f32=F32_TENSORS)
     return Path(path)
 
 
