@@ -69,9 +69,12 @@ def native_flags(args: argparse.Namespace, target: str, drafter: str, n_max: int
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(min(args.ngram_n, n_max)),
                   "--spec-ngram-simple-size-m", str(n_max), "--spec-ngram-simple-min-hits", "1"]
     else:
-        from edgespec.drafters.eagle import is_eagle3_head
+        from edgespec.drafters.feature_heads import head_arch
+        from edgespec.heads.gguf_io import read_gguf
 
-        kind = "draft-eagle3" if is_eagle3_head(drafter) else "draft-simple"
+        arch = head_arch(drafter)  # a DFlash file with DSpark's Markov head runs as draft-dspark
+        dspark = arch == "dflash" and "markov_w1.weight" in read_gguf(drafter, lambda k: False).tensors
+        kind = {"eagle3": "draft-eagle3", "dflash": "draft-dspark" if dspark else "draft-dflash"}.get(arch, "draft-simple")
         flags += ["--spec-type", kind, "-md", drafter, "--spec-draft-n-max", str(n_max),
                   "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", t, "-tbd", t]
         if not args.native_defaults:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target GGUF path (or edgespec model name)")
     ap.add_argument("--drafter", required=True, help="'ngram' (native ngram-simple), a draft GGUF path/name, "
-                    "or an EAGLE-3 head GGUF (native draft-eagle3)")
+                    "or a head GGUF (native draft-eagle3 / draft-dflash / draft-dspark)")
     ap.add_argument("--n-max", type=int, action="append", help="draft length γ (repeatable; 0 = plain). Default 4")
     ap.add_argument("--category", action="append", help="only these categories (repeatable)")
     ap.add_argument("--task", action="append", help="only these task ids (repeatable)")
