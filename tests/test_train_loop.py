@@ -139,3 +139,44 @@ def test_numpy_chain_acceptance_matches_the_trainers_on_generated_text(caches, t
             total += 1
     assert got["origins"] == total > 20
     np.testing.assert_allclose(got["acceptance"], hits / total, atol=1e-9)
+
+
+def test_cache_records_prompt_length_and_backfills_it(caches, tiny_target, tmp_path):
+    """Generations record how many leading tokens are the prompt (what held-out acceptance skips), corpus
+    windows 0; a cache written before n_prompt existed gets it added on the next build, by tokenizing."""
+    import shutil
+
+    from edgespec.train.evaluate import generated_start
+
+    train, held, _, _ = caches
+    for f in held.files():  # every held-out sequence is a generation: the prompt ends where greedy text starts
+        z = FeatureCache.load_file(f)
+        assert 0 < z["n_prompt"] == generated_start(z["tokens"], z["top_ids"][:, 0]) + 1
+    assert int(FeatureCache.load_file(train.files()[-1])["n_prompt"]) == 0  # a corpus window
+    old = tmp_path / "old"
+    shutil.copytree(held.root, old)
+    want = [int(FeatureCache.load_file(f)["n_prompt"]) for f in held.files()]
+    for f in FeatureCache(old).files():
+        with np.load(f) as z:
+            arrays = {k: z[k] for k in z.files if k != "n_prompt"}
+        np.savez(f, **arrays)
+    assert [int(FeatureCache.load_file(f)["n_prompt"]) for f in FeatureCache(old).files()] == [0, 0, 0]
+    with LlamaFeatureBackend(tiny_target, layers=LAYERS, n_ctx=256, threads=1) as be:
+        plan = CachePlan(target=str(tiny_target), target_size=1, seq_len=SEQ, corpus_chars=24_000, n_prompts=2,
+                         gen_tokens=24)
+        build_cache(be, old, plan, [], P.HELDOUT_PROMPTS[:3])
+    assert [int(FeatureCache.load_file(f)["n_prompt"]) for f in FeatureCache(old).files()] == want
+
+
+def test_acceptance_skips_chains_that_start_in_the_prompt():
+    """Chain c's first draft predicts t_{c+2}: with skip s, chains 0..s−1 are not counted (hand counts)."""
+    from edgespec.train.model import chain_counts
+
+    right = torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1]], dtype=torch.bool)  # blocks × rows
+    hits, counts = chain_counts(right, skip=2)
+    assert hits.tolist() == [1, 1] and counts.tolist() == [2, 2]
+    steps = [torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool), torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)]
+    # origin o ≥ 2: step 1 row o, step 2 row o+1. k=1: rows 2, 3, 4 = 0, 1, 1 → 2 of 3;
+    # k=2: o=2 fails at step 1, o=3 at step 2 (row 4 = 0) → 0 of 2
+    hits, counts = TorchEagle3.acceptance_counts(steps, skip=2)
+    assert hits.tolist() == [2, 0] and counts.tolist() == [3, 2]

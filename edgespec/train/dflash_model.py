@@ -198,9 +198,10 @@ class TorchDFlash(GGUFHead):
         return (w * soft_ce(z, d, p)).sum() / w.sum().clamp_min(1e-12)
 
     @staticmethod
-    def acceptance_counts(right: torch.Tensor) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """(hits, counts) per row: blocks whose rows 1..r are all right."""
-        return chain_counts(right)
+    def acceptance_counts(right: torch.Tensor, skip: int = 0) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """(hits, counts) per row: blocks whose rows 1..r are all right, but the first ``skip`` blocks
+        (held-out evaluation has every anchor a = 1, 2, …: block c's first row predicts t_{c+2})."""
+        return chain_counts(right, skip)
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: Mapping[str, str] | None = None) -> Path:

@@ -113,9 +113,10 @@ class TorchDSpark(nn.Module):
         return ce + bce, right
 
     @staticmethod
-    def acceptance_counts(right: torch.Tensor) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """(hits, counts) per row: blocks whose rows 1..r are all right."""
-        return chain_counts(right)
+    def acceptance_counts(right: torch.Tensor, skip: int = 0) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """(hits, counts) per row: blocks whose rows 1..r are all right, but the first ``skip`` blocks
+        (held-out evaluation has every anchor a = 1, 2, …: block c's first row predicts t_{c+2})."""
+        return chain_counts(right, skip)
 
     def to_numpy(self) -> dict[str, npt.NDArray[Any]]:
         """The base's tensors plus the DSpark ones, GGUF-named."""

@@ -7,6 +7,8 @@ One file per sequence, ``seq_NNNNN.npz``, written atomically (temp file + rename
   position (inputs of its 3 target layers, ``LlamaFeatureBackend``) are ``feats · feat_scale``.
   fp16 halves the cache; the per-row scale (1 unless the row holds values beyond ±32768) keeps
   residual streams with huge outlier dimensions (Gemma-3) finite. ``load_file`` applies it;
+* ``n_prompt`` int32: how many leading tokens are the prompt of a generation (0 for corpus text); the
+  held-out acceptance counts only drafts of the tokens after it;
 * ``top_ids`` int32 (L, K), ``top_lp`` float16 (L, K): the target's K most likely next tokens at
   each position and their log-probabilities under the full softmax (temperature 1). K = 32 keeps
   ≥ 0.9 of the probability mass on most rows of a small model and costs 192 bytes a row instead of
@@ -103,11 +105,12 @@ class FeatureCache:
 
     @staticmethod
     def load_file(path: Path) -> dict[str, npt.NDArray[Any]]:
-        """One sequence's arrays (tokens, feats (float32, scale applied), top_ids, top_lp)."""
+        """One sequence's arrays (tokens, feats (float32, scale applied), top_ids, top_lp, n_prompt)."""
         with np.load(path) as z:
             out = {k: z[k] for k in z.files}
         scale = out.pop("feat_scale", None)
         out["feats"] = out["feats"].astype(np.float32) * (1.0 if scale is None else scale[:, None])
+        out.setdefault("n_prompt", np.int32(0))  # caches written before it was recorded: all text
         return out
 
     def token_counts(self, n_vocab: int) -> npt.NDArray[np.int64]:
@@ -122,6 +125,13 @@ class FeatureCache:
     def d2t(self, n_vocab: int, size: int, always: Sequence[int] = ()) -> npt.NDArray[np.int64]:
         """The draft vocabulary: the ``size`` most frequent ids of this cache (``data.draft_vocab``)."""
         return draft_vocab(self.token_counts(n_vocab), size, always)
+
+
+def _save(path: Path, **arrays: Any) -> None:
+    """Write one sequence file atomically (temp file + rename)."""
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence[str],
@@ -163,13 +173,20 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
     cache = FeatureCache(root)
     for i, (kind, item) in enumerate(jobs):
         out = root / f"seq_{i:05d}.npz"
+        if out.exists() and kind == "prompt":
+            with np.load(out) as z:
+                missing = "n_prompt" not in z.files
+                arrays = {k: z[k] for k in z.files} if missing else {}
+            if missing:  # written before n_prompt was recorded: add it (tokenizing only)
+                _save(out, **arrays, n_prompt=np.int32(len(_chat_tokens(backend, item))))
         if not out.exists():
             backend.truncate(0)
             if kind == "tokens":
-                tokens = list(item)
+                tokens, n_prompt = list(item), 0
                 logits = backend.eval(tokens, rows="all")  # (L, V)
             else:
                 tokens = _chat_tokens(backend, item)
+                n_prompt = len(tokens)
                 gen = generator or backend
                 gen.truncate(0)
                 row = gen.eval(tokens, rows="last")[-1]
@@ -184,9 +201,8 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
                 logits = backend.eval(tokens, rows="all")  # features and labels of the whole sequence
             feats, scale = pack_features(backend.features(0, len(tokens)))
             ids, lp = top_k_logprobs(logits, plan.top_k)
-            tmp = out.with_suffix(".tmp.npz")
-            np.savez(tmp, tokens=np.asarray(tokens, np.int32), feats=feats, feat_scale=scale, top_ids=ids, top_lp=lp)
-            os.replace(tmp, out)
+            _save(out, tokens=np.asarray(tokens, np.int32), feats=feats, feat_scale=scale, top_ids=ids, top_lp=lp,
+                  n_prompt=np.int32(n_prompt))
         if progress:
             progress(i + 1, len(jobs))
     backend.truncate(0)

@@ -42,7 +42,10 @@ class TrainableHead(Protocol):
     def sequence_loss(self, seq: Mapping[str, torch.Tensor], t2d: torch.Tensor, train: Any,
                       steps: int | None = None, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, Any]: ...
 
-    def acceptance_counts(self, right: Any) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+    def acceptance_counts(self, right: Any, skip: int = 0) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Chained acceptance of ``sequence_loss``'s ``right`` over every chain but the first ``skip``
+        (chain c's first draft predicts t_{c+2}, for every kind)."""
+        ...
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: Mapping[str, str] | None = None) -> Path: ...
@@ -81,10 +84,10 @@ def soft_ce(z: torch.Tensor, d: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log_softmax(z, dim=-1).gather(-1, d.clamp_min(0))).sum(-1)
 
 
-def chain_counts(right: torch.Tensor) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+def chain_counts(right: torch.Tensor, skip: int = 0) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """right (chains, depth) bool: draft k of a chain is right → (hits, counts) per position k, a hit
-    at k being a chain whose drafts 1..k are all right."""
-    r = right.numpy().astype(bool)
+    at k being a chain whose drafts 1..k are all right; the first ``skip`` chains are not counted."""
+    r = right.numpy().astype(bool)[skip:]
     return np.cumprod(r, axis=1).sum(0).astype(np.float64), np.full(r.shape[1], float(len(r)))
 
 
@@ -266,14 +269,16 @@ class TorchEagle3(GGUFHead):
         return total / max(wsum, 1e-12), right
 
     @staticmethod
-    def acceptance_counts(right: list[torch.Tensor]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    def acceptance_counts(right: list[torch.Tensor], skip: int = 0
+                          ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Chained acceptance of ``sequence_loss``'s ``right``: (hits, counts) per position k over
-        all chain origins o (step j of origin o is row o+j−1 of step j)."""
+        the chain origins o ≥ ``skip`` (step j of origin o is row o+j−1 of step j; origin o's first
+        draft predicts t_{o+2})."""
         r = np.stack([x.numpy() for x in right])  # (steps, N)
         steps, n = r.shape
         hits, counts = np.zeros(steps), np.zeros(steps)
         for k in range(1, steps + 1):
-            origins = np.arange(0, n - k + 1)
+            origins = np.arange(skip, n - k + 1)
             chain = np.ones(len(origins), bool)
             for j in range(1, k + 1):
                 chain &= r[j - 1, origins + j - 1]

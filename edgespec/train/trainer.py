@@ -126,7 +126,8 @@ class Trainer:
         return {"tokens": torch.tensor(z["tokens"].astype(np.int64)),
                 "feats": torch.tensor(z["feats"]),
                 "top_ids": torch.tensor(z["top_ids"].astype(np.int64)),
-                "top_lp": torch.tensor(z["top_lp"].astype(np.float32))}
+                "top_lp": torch.tensor(z["top_lp"].astype(np.float32)),
+                "n_prompt": torch.tensor(int(z["n_prompt"]))}
 
     # -- loss and acceptance (the head's own objective) ---------------------------------------------
 
@@ -136,15 +137,22 @@ class Trainer:
         return self.model.sequence_loss(seq, self.t2d, self.config, steps, rng)
 
     @torch.no_grad()
-    def evaluate(self, files: Sequence[Path] | None = None, steps: int | None = None) -> dict[str, Any]:
-        """Held-out loss, chained top-1 acceptance per draft position (1..depth) and τ = 1 + Σ acceptance."""
+    def evaluate(self, files: Sequence[Path] | None = None, steps: int | None = None,
+                 generated_only: bool = True) -> dict[str, Any]:
+        """Held-out loss, chained top-1 acceptance per draft position (1..depth) over chains whose first
+        draft predicts a generated token (after the file's ``n_prompt`` prompt tokens), and τ = 1 + Σ
+        acceptance. ``generated_only=False`` counts chains starting in the prompt too."""
         files = self.val_files if files is None else files
         hits: npt.NDArray[np.float64] | None = None
         counts = np.zeros(0)
         losses = []
         for f in files:
-            loss, right = self.sequence_loss(self._tensors(f), steps)
-            h, c = self.model.acceptance_counts(right)
+            seq = self._tensors(f)
+            loss, right = self.sequence_loss(seq, steps)
+            # only drafts of generated tokens count: a prompt (chat template, default system prompt) is
+            # easy to predict from its own features but is never drafted at run time
+            skip = max(0, int(seq["n_prompt"]) - 2) if generated_only else 0
+            h, c = self.model.acceptance_counts(right, skip=skip)
             if c.size and c[0] > 0:
                 losses.append(float(loss.detach()))
             hits, counts = (h, c) if hits is None else (hits + h, counts + c)
