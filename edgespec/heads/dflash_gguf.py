@@ -38,12 +38,12 @@ import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dspark import MARKOV_TENSORS
+from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 # fc reads the raw fused target features, whose outlier dimensions exceed float16's range on real
 # targets (Gemma-3-270M: |x| up to ~1e5); ggml's CPU matmul converts the activations to the weight's
 # vec-dot type, so an F16 fc turns them into inf and the block's logits into NaN. F32 fc keeps them.
 F32_TENSORS = ("fc.weight", *MARKOV_TENSORS)
-from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 ARCH = "dflash"
 MASK_KEY = "tokenizer.ggml.mask_token_id"
