@@ -53,6 +53,11 @@ def test_markov_bias_and_confidence_by_hand():
     out = m.apply(z, prev)
     assert np.isneginf(out[:V - VD]).all()
     np.testing.assert_allclose(out[V - VD:], np.arange(VD) + np.asarray(want), rtol=1e-6, atol=1e-6)
+    # a row carrying another token's bias: swapped for prev's in one pass; the row itself when equal
+    swapped = m.apply(m.apply(z, 5), prev, old=5)
+    np.testing.assert_allclose(swapped[V - VD:], out[V - VD:], rtol=1e-6, atol=1e-5)
+    assert np.isneginf(swapped[:V - VD]).all()
+    assert m.apply(out, prev, old=prev) is out
     h = np.random.default_rng(0).standard_normal(64).astype(np.float32)
     x = sum(float(cw[0, i]) * float(h[i]) for i in range(64)) + sum(
         float(cw[0, 64 + k]) * float(w1[prev, k]) for k in range(R)) + float(cb[0])

@@ -50,5 +50,10 @@ class DSparkDrafter(DFlashDrafter):
         self.markov = markov
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
-        z, h = self.head.forward_block(self.head.block_tokens(anchor, n + 1))  # (n+1, V), (n+1, H)
+        tokens = self.head.block_tokens(anchor, n + 1)
+        chained = getattr(self.head, "chained_block", None)
+        if chained is not None:  # libllama: rows carry llama.cpp's greedy-chain bias; swap it only where prev differs
+            z, h, chain = chained(tokens)
+            return lambda i, prev: (self.markov.apply(z[i + 1], prev, old=chain[i]), self.markov.confidence(h[i + 1], prev))
+        z, h = self.head.forward_block(tokens)  # (n+1, V) base logits, (n+1, H)
         return lambda i, prev: (self.markov.apply(z[i + 1], prev), self.markov.confidence(h[i + 1], prev))

@@ -18,8 +18,9 @@ greedily (row r gets w2·w1[prev_r], prev_1 = the anchor, prev_r = the argmax of
 r−1; ``build_dspark_markov_head``). The bindings cannot switch that off, so ``forward_block``
 removes it host-side with the same F32 weights read from the GGUF (the writer keeps them F32) and
 returns the base logits with the normed hiddens (``llama_set_embeddings``: the graph's t_embd), as
-the numpy ``DFlashHead.forward_block`` does; DSparkDrafter then adds the bias of the token it really
-drafted and computes the confidence from h. (llama.cpp's own confidence, in the nextn
+the numpy ``DFlashHead.forward_block`` does. DSparkDrafter reads ``chained_block`` instead (the rows
+as llama.cpp biased them, and its chain) and swaps a row's bias only where the token it really
+drafted differs from llama.cpp's argmax (never when greedy); it computes the confidence from h. (llama.cpp's own confidence, in the nextn
 embeddings, is for the argmax chain only, so edgespec does not use it.)
 
 The block's attention mask is the context default, which llama.cpp takes from the model's
@@ -122,15 +123,22 @@ class LlamaDFlashHead(LlamaHeadContext):
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
         """The numpy head's forward_block: (base logits (b, V) without any Markov bias, normed
         hidden (b, H))."""
-        logits, h = self._block(tokens, hidden=True)
-        if self.markov is not None:
-            prev = int(tokens[0])
-            for r in range(1, len(tokens)):
-                nxt = int(np.argmax(logits[r]))  # the in-graph chain's next prev (ggml_argmax: first max)
-                logits[r] = self.markov.apply(logits[r], prev, sign=-1.0)
-                prev = nxt
-        assert h is not None
+        if self.markov is None:
+            logits, h = self._block(tokens, hidden=True)
+            assert h is not None
+            return logits, h
+        logits, h, chain = self.chained_block(tokens)
+        for r in range(1, len(tokens)):
+            logits[r] = self.markov.apply(logits[r], chain[r - 1], sign=-1.0)
         return logits, h
+
+    def chained_block(self, tokens: Sequence[int]) -> tuple[F32, F32, list[int]]:
+        """The block as llama.cpp returns it: (logits (b, V), a DSpark head's rows r ≥ 1 biased with
+        the Markov bias of chain[r−1]; normed hidden (b, H); chain = [anchor, argmax of rows
+        1..b−2], llama.cpp's greedy in-graph chain (ggml_argmax: first max))."""
+        logits, h = self._block(tokens, hidden=True)
+        assert h is not None
+        return logits, h, [int(tokens[0])] + [int(np.argmax(r)) for r in logits[1:-1]]
 
     def _block(self, tokens: Sequence[int], hidden: bool) -> tuple[F32, F32 | None]:
         ll, b = self._ll, len(tokens)

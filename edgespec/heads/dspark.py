@@ -47,15 +47,19 @@ class MarkovHead:
             self.conf_w = np.asarray(tensors["conf_proj.weight"], np.float32)[0]  # (H + R,)
             self.conf_b = np.float32(np.asarray(tensors["conf_proj.bias"]).reshape(-1)[0])
 
-    def bias(self, prev: int) -> F32:
-        """w2 · w1[prev] on the draft vocabulary, (V_d,) float32."""
-        return (self.w2 @ self.w1[int(prev)]).astype(np.float32)
+    def bias(self, prev: int, old: int | None = None) -> F32:
+        """w2 · w1[prev] on the draft vocabulary, (V_d,) float32; with `old`, w2 · (w1[prev] − w1[old])."""
+        w1 = self.w1[int(prev)] if old is None else self.w1[int(prev)] - self.w1[int(old)]
+        return (self.w2 @ w1).astype(np.float32)
 
-    def apply(self, logits: F32, prev: int, sign: float = 1.0) -> F32:
+    def apply(self, logits: F32, prev: int, sign: float = 1.0, old: int | None = None) -> F32:
         """One block row's logits (V,) plus the bias of `prev` (× `sign`: −1 removes it), scattered
-        by d2t (−inf stays −inf)."""
+        by d2t (−inf stays −inf). `old`: the row already carries old's bias, which is swapped for
+        prev's in the same pass (the row itself, not a copy, when old == prev)."""
+        if old is not None and int(old) == int(prev):
+            return logits
         out = np.array(logits, np.float32)
-        out[self.d2t] += np.float32(sign) * self.bias(prev)
+        out[self.d2t] += np.float32(sign) * self.bias(prev, old)
         return out
 
     def confidence(self, h: F32, prev: int) -> float | None:
