@@ -54,9 +54,12 @@ class CostModel:
         self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block)
         self.draft_at = [RobustTime() for _ in range(K_MAX)]  # [γ]: ms of drafting γ tokens
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
-        self.block = block
         self._verify: list[float] | None = None
         self._draft = self._line(draft_fixed_ms, draft_per_token_ms)
+
+    @property
+    def block(self) -> bool:
+        return self.draft_prior.block
 
     @classmethod
     def for_drafter(cls, t_forward_ms: dict[int, float], prior: DraftCost | None) -> CostModel:
