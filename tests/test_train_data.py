@@ -16,7 +16,7 @@ from edgespec.train.data import (
     ngrams,
     target_to_draft,
 )
-from edgespec.train.features import top_k_logprobs
+from edgespec.train.features import BASE_PROMPT, top_k_logprobs
 
 
 def test_evaluation_texts_cover_the_bench_suite_and_test_prompts():
@@ -79,3 +79,21 @@ def test_heldout_bench_file_is_the_heldout_prompts():
     tasks = load_tasks(str(Path(__file__).parent.parent / "bench" / "heldout" / "heads.jsonl"))
     assert [t.messages[0]["content"] for t in tasks] == list(P.HELDOUT_PROMPTS)
     assert {t.category for t in tasks} == {"heldout"}
+    # a target without a chat template is benched on `prompt`: training frames prompts the same way
+    assert [t.prompt for t in tasks] == [BASE_PROMPT.format(p) for p in P.HELDOUT_PROMPTS]
+
+
+def test_training_prompts_are_framed_as_the_runtime_shows_them():
+    """With no chat template, a training prompt is tokenized in BASE_PROMPT's framing (not raw)."""
+    from edgespec.train.features import _chat_tokens
+
+    class NoTemplate:
+        bos_id = None
+
+        def metadata(self, key):
+            return None
+
+        def tokenize(self, text, *a, **k):
+            return [ord(c) for c in text]
+
+    assert _chat_tokens(NoTemplate(), "Why?") == [ord(c) for c in "Question: Why?\nAnswer:"]

@@ -17,8 +17,12 @@ One file per sequence, ``seq_NNNNN.npz``, written atomically (temp file + rename
 ``meta.json`` records the target, its layers and the sequence plan; a rerun with the same plan
 skips the files already written, so an interrupted extraction resumes where it stopped.
 Sequences are corpus chunks (``data.local_corpus``) cut into windows of ``seq_len`` tokens, and
-optionally the target's own greedy continuations of ``prompts.TRAIN_PROMPTS`` (chat template
-applied when the model has one), which are self-distillation data in the strict sense.
+optionally the target's own greedy continuations of ``prompts.TRAIN_PROMPTS``, which are
+self-distillation data in the strict sense. A prompt is framed the way the runtime will show it: in
+the model's chat template, or for a base model without one in ``BASE_PROMPT``, the framing of the
+bench tasks' ``prompt`` field (``edgespec bench`` feeds a template-less target that text). A head
+trained on raw prompts but measured on framed ones under-reports its acceptance (it happened:
+RESULTS.md, the Gemma-3 heads).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.train.data import draft_vocab
+
+BASE_PROMPT = "Question: {}\nAnswer:"  # a training prompt, for a target without a chat template
 
 
 @dataclass(frozen=True)
@@ -77,12 +83,12 @@ def _windows(tokens: list[int], seq_len: int, min_len: int = 32) -> Iterator[lis
 
 
 def _chat_tokens(backend: Any, prompt: str) -> list[int]:
-    """The prompt as a one-turn chat with the target's template (plain text if it has none)."""
+    """The prompt as a one-turn chat with the target's template (``BASE_PROMPT`` if it has none)."""
     from edgespec.chat import render_chat
 
     template = backend.metadata("tokenizer.chat_template")
     if not template:
-        return backend.tokenize(prompt)
+        return backend.tokenize(BASE_PROMPT.format(prompt))
     text_of = backend.vocab_fingerprint().token_text
     bos = text_of(backend.bos_id) if backend.bos_id is not None else ""
     eos = text_of(backend.eos_id) if backend.eos_id is not None else ""
@@ -159,6 +165,8 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
     root.mkdir(parents=True, exist_ok=True)
     meta_path = root / "meta.json"
     want = asdict(plan) | {"layers": list(backend.feature_layers), "n_embd": backend.n_embd}
+    if prompts and not backend.metadata("tokenizer.chat_template"):
+        want["base_prompt"] = BASE_PROMPT  # caches of raw prompts (before it) are refused
     if meta_path.exists():
         have = json.loads(meta_path.read_text())
         if have != want:
