@@ -137,6 +137,22 @@ def test_rows_follow_positions_after_rollback(tiny8: Path, method: str):
         np.testing.assert_allclose(got, b.features(), rtol=0, atol=1e-4)  # measured 1.2e-6
 
 
+def test_cb_eval_recovers_from_a_stale_address_memo(tiny8: Path):
+    """The callback's node-address memo gone stale (as if a rebuilt graph had moved every node): the
+    decode is redone with fresh names and the rows are right; the memo learns the new addresses."""
+    with LlamaFeatureBackend(tiny8, method="cb_eval", kv_type="f32", n_ctx=64, threads=1) as b:
+        b.eval(TOKENS[:3], rows="last")
+        b.eval(TOKENS[3:6], rows="last")
+        want = b.features()
+        cap = b._capture
+        assert cap is not None and sum(cap._wanted.values()) >= 3
+        b.truncate(3)
+        cap._wanted = dict.fromkeys(cap._wanted, False)
+        b.eval(TOKENS[3:6], rows="last")
+        np.testing.assert_array_equal(b.features(), want)
+        assert b.n_past == 6 and sum(cap._wanted.values()) >= 3
+
+
 def test_gemma3_takes_the_cb_eval_path(gemma_q4_path: Path):
     """gemma3's graph sets no layer inputs: "auto" picks cb_eval, "ext" is refused (it would abort)."""
     with pytest.raises(BackendError, match="aborts the process for arch 'gemma3'"):

@@ -16,7 +16,9 @@ Two ways to get them, chosen per model:
   (GGML_ASSERT "layer input tensor is null"), which Python cannot catch.
 * ``"cb_eval"``: a ggml scheduler eval callback that copies the tensors named ``l_out-<L-1>`` as
   they are computed. Works for any llama.cpp graph that names its layer outputs ``l_out``; costs a
-  Python call per graph node, so it is installed only on contexts that ask for features.
+  Python call per graph node (~940 per Gemma-3-270M decode), so it is installed only on contexts
+  that ask for features, and it remembers which node addresses it wants instead of reading every
+  node's name each decode (see ``_CbEvalCapture``).
 
 Both read the same computed tensor, so they agree bit for bit (tested on SmolLM2).
 Valid ids are 1..n_layer-1: id 0 would be the (arch-specific) input embedding, and the last
@@ -163,7 +165,16 @@ class FeatureStore:
 
 
 class _CbEvalCapture:
-    """A cb_eval callback that copies the tensors named in ``wanted`` (name → slot) per decode."""
+    """A cb_eval callback that copies the tensors named in ``names`` (name → slot) per decode.
+
+    ggml asks the callback about every node of every decode. The answer is memoized by node
+    address: llama.cpp builds its graph in the same order into the same buffer, so a node keeps its
+    address across decodes. A stale entry after a rebuild cannot capture the wrong tensor (the name
+    is checked again before copying); one that misses a wanted tensor leaves a slot empty, and the
+    backend then forgets the memo and redoes that decode (``LlamaFeatureBackend._decode``).
+    Measured on Gemma-3-270M Q4_K_M: the callbacks cost ≈ 0.77 ms per one-token decode reading
+    every name, vs 14.4 ms for the decode itself.
+    """
 
     def __init__(self, names: Sequence[str], n_embd: int) -> None:
         import llama_cpp
@@ -174,16 +185,28 @@ class _CbEvalCapture:
         for slot, name in enumerate(names):
             self._slots.setdefault(name.encode(), []).append(slot)
         self._parts: list[npt.NDArray[np.float32] | None] = [None] * len(names)
+        self._wanted: dict[int, bool] = {}  # node address → whether its name is wanted (memo)
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
 
     def begin(self) -> None:
         self._parts = [None] * len(self._parts)
 
+    def forget(self) -> bool:
+        """Drop the address memo; whether there was one to drop."""
+        had = bool(self._wanted)
+        self._wanted = {}
+        return had
+
     def _on_tensor(self, t: int, ask: bool, _user: int) -> bool:
-        slots = self._slots.get(self._ggml.ggml_get_name(t))
         if ask:
-            return slots is not None
-        if slots is not None:
+            wanted = self._wanted.get(t)
+            if wanted is None:
+                wanted = self._wanted[t] = self._ggml.ggml_get_name(t) in self._slots
+            return wanted
+        slots = self._slots.get(self._ggml.ggml_get_name(t))
+        if slots is None:
+            self._wanted[t] = False  # a stale memo entry: another node lives here now
+        else:
             g = self._ggml
             if ctypes.c_int32.from_address(t).value != 0 or not g.ggml_is_contiguous(t):  # GGML_TYPE_F32 = 0
                 return False  # stops the graph: llama_decode fails and collect() reports it
@@ -257,17 +280,20 @@ class LlamaFeatureBackend(LlamaCppBackend):
             cp.cb_eval_user_data = None
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
-        if self._capture is not None:
-            self._capture.begin()
-        super()._decode(chunk, want)
         n = len(chunk)
         if self._capture is not None:
-            try:
-                parts = self._capture.collect(n)
-            except BackendError:
-                LlamaCppBackend.truncate(self, self.n_past - n)  # keep KV and feature rows in step
-                raise
+            while True:
+                self._capture.begin()
+                super()._decode(chunk, want)
+                try:
+                    parts = self._capture.collect(n)
+                    break
+                except BackendError:
+                    LlamaCppBackend.truncate(self, self.n_past - n)  # keep KV and feature rows in step
+                    if not self._capture.forget():  # a stale address memo: redo with fresh names
+                        raise
         else:
+            super()._decode(chunk, want)
             api = ext_api()
             assert api is not None
             parts = []
