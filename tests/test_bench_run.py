@@ -151,3 +151,15 @@ def test_bench_cli_writes_partial_results_on_ctrl_c(monkeypatch, tmp_path, smoll
     data = json.loads((out / "results.json").read_text())
     assert len(data["runs"]) == 4 and data["meta"]["interrupted_after"] == 4
     assert (out / "results.md").read_text().count("ngram k=4") >= 2
+
+
+def test_k0_is_a_plain_vs_plain_control():
+    """-k 0 pairs plain decoding with plain decoding: no drafts, the same tokens, τ 1, and a summary
+    row like any config's (its ratio spread is the machine's noise)."""
+    engine, drafters = _engine()
+    runs = run_matrix(engine, drafters, [Config("ngram", 0)], TASKS, [0.0], 1, chat=False)
+    ctl = [r for r in runs if r.config == "ngram k=0"]
+    assert len(ctl) == len(TASKS) and all(r.matches_plain for r in ctl)
+    assert all(d == 0 for r in ctl for d, _ in r.cycles) and all(r.tau == 1.0 for r in ctl)
+    row = next(r for r in summarize(runs, t_forward_ms={k: 1.0 for k in range(1, 17)}) if r["category"] == "all")
+    assert row["tau"] == 1.0 and row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
