@@ -294,13 +294,14 @@ class Engine:
         t1 = time.perf_counter()
         logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
         t2 = time.perf_counter()
-        n, token = verify(logits, x, q, params, rng)
+        rows: list[np.ndarray] | None = [] if sched is not None and not params.greedy else None
+        n, token = verify(logits, x, q, params, rng, rows)
         self._kv += [pending, *x[:n]]
         self.target.truncate(len(self._kv))  # roll back the rejected drafts
         t3 = time.perf_counter()
         if sched is not None:
             sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1)
-            sched.emitted([*x[:n], token])
+            sched.emitted([*x[:n], token], rows)
         stats.record_cycle(len(x), n, t3 - t0, plan)
         stats.t_draft += t1 - t0
         stats.t_verify += t2 - t1

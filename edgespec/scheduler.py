@@ -65,8 +65,8 @@ class Acceptance:
         for i in range(min(accepted + 1, drafted)):
             self.observe_position(i, i < accepted)
 
-    def observe_position(self, i: int, ok: bool) -> None:
-        """Position i+1 was judged (its predecessors having passed)."""
+    def observe_position(self, i: int, ok: float) -> None:
+        """Position i+1 was judged (its predecessors having passed): ok is 1/0, or the chance it passed."""
         self.hits[i] = self.decay * self.hits[i] + ok
         self.tries[i] = self.decay * self.tries[i] + 1
         self._rates = None
@@ -212,19 +212,24 @@ class Scheduler:
         else:
             self._plain_ms += t_verify * 1000
 
-    def emitted(self, tokens: Sequence[int]) -> None:
-        """Score the pending shadow drafts against tokens the target emitted (greedy: exactly what
-        verification would have accepted; sampled: accepted with the same probability, p(x̃)).
-        One is drafted at every plain step, so the estimates follow the text as fast as it changes."""
+    def emitted(self, tokens: Sequence[int], probs: Sequence[np.ndarray] | None = None) -> None:
+        """Score the pending shadow drafts against tokens the target emitted. Greedy: a draft token
+        is right when it is the emitted one, exactly what verification would have accepted. Sampled:
+        `probs` (the target's processed row for each emitted token, when given) credits a draft token
+        with p(x̃), the chance verification accepts it, rather than with the 0/1 of whether the draw
+        happened to equal it: the same mean, far less noise, so a few lucky draws do not start bets.
+        The shadow follows the emitted text either way. One is drafted at every plain step, so the
+        estimates follow the text as fast as it changes."""
         self._lag += len(tokens)
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             live, model, hit = [], self.acceptance, None
             for draft, seen in self._shadows:  # oldest first: the newest draft sets the run
                 i = seen[0]
                 hit = tok == draft[i]
-                model.observe_position(i, hit)
+                credit = float(probs[j][draft[i]]) if probs is not None else float(hit)
+                model.observe_position(i, credit)
                 if i == 0:
-                    self._recent += RECENT * (hit - self._recent)
+                    self._recent += RECENT * (credit - self._recent)
                 if hit and i + 1 < len(draft):
                     seen[0] += 1
                     live.append((draft, seen))

@@ -31,14 +31,18 @@ def verify_stochastic(
     q: npt.NDArray[np.float64] | None,  # (γ, V) processed draft probabilities; None = one-hot
     params: SamplingParams,
     rng: np.random.Generator,
+    rows: list[npt.NDArray[np.float64]] | None = None,
 ) -> tuple[int, int]:
     """Rejection sampling: accept x̃ᵢ with probability min(1, pᵢ(x̃ᵢ)/qᵢ(x̃ᵢ)); at the first
     rejection sample from norm(max(0, pᵢ − qᵢ)); if all are accepted, sample the bonus from p_γ.
     A one-hot q (deterministic drafter) accepts with probability pᵢ(x̃ᵢ) and on rejection samples
     from pᵢ with x̃ᵢ zeroed. The emitted tokens are distributed exactly as sampling from p.
-    Rows of p are processed lazily: only up to the first rejection."""
+    Rows of p are processed lazily: only up to the first rejection. `rows`, when given, receives
+    them: one p row per emitted token (the scheduler scores shadow drafts with them)."""
     for i, x in enumerate(draft):
         p = process(logits[i], params)  # (V,)
+        if rows is not None:
+            rows.append(p)
         q_x = 1.0 if q is None else float(q[i, x])
         if q_x > 0.0 and rng.random() * q_x < p[x]:
             continue
@@ -50,7 +54,10 @@ def verify_stochastic(
         if residual.sum() <= 0.0:  # p == q up to rounding: the rejection had probability ~0
             residual = p
         return i, sample(residual, rng)
-    return len(draft), sample(process(logits[len(draft)], params), rng)
+    p = process(logits[len(draft)], params)
+    if rows is not None:
+        rows.append(p)
+    return len(draft), sample(p, rng)
 
 
 def verify(
@@ -59,8 +66,10 @@ def verify(
     q: npt.NDArray[np.float64] | None,
     params: SamplingParams,
     rng: np.random.Generator,
+    rows: list[npt.NDArray[np.float64]] | None = None,
 ) -> tuple[int, int]:
-    """Greedy or stochastic verification, by `params`."""
+    """Greedy or stochastic verification, by `params` (`rows`: see verify_stochastic; greedy
+    leaves it empty)."""
     if params.greedy:
         return verify_greedy(logits, draft)
-    return verify_stochastic(logits, draft, q, params, rng)
+    return verify_stochastic(logits, draft, q, params, rng, rows)

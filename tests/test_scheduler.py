@@ -180,3 +180,35 @@ def test_ngram_support_is_the_match_length():
 
     d = NgramDrafter().draft([9, 1, 2, 3, 4, 5, 6, 8, 0, 1, 2, 3, 4, 5, 6], 3, GREEDY, np.random.default_rng(0))
     assert d.tokens == [8, 0, 1] and d.support == 6  # "1 2 3 4 5 6" matched, "9" vs "0" did not
+
+
+def test_sampled_shadow_scoring_credits_p_of_the_draft_token():
+    """Sampled: a shadow draft token the target's row gives p = 0.3 is credited 0.3 even when the
+    draw happened to equal it (Rao-Blackwell: same mean, no 0/1 noise); greedy-style 0/1 scoring
+    of the same draws would credit 1. The shadow still follows the emitted text."""
+    t = _linear(10.0, 2.0)
+    rows = [np.full(8, 0.1)]
+    rows[0][5] = 0.3
+    for probs, want in ((rows, 0.3), (None, 1.0)):
+        sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, 0.0))
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            sched.draft(_ScriptedDrafter(token=5), [1, 2, 3], K_MAX - 1, SamplingParams(0.7), rng)
+            sched.emitted([5], probs)  # the draw equals the draft token every time
+        model = sched.acceptance  # the bucket of the current run: its decayed counts, prior left out
+        assert abs(model.hits[0] / model.tries[0] - want) < 1e-9
+        assert sched.run > 0  # the emitted tokens matched: the run goes on either way
+
+
+def test_verify_stochastic_hands_back_one_row_per_emitted_token():
+    from edgespec.verify import verify
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 16)).astype(np.float32)
+    for _ in range(20):
+        rows: list[np.ndarray] = []
+        n, _ = verify(logits, [3, 4, 5], None, SamplingParams(0.9), rng, rows)
+        assert len(rows) == n + 1 and all(abs(r.sum() - 1) < 1e-9 for r in rows)
+    rows = []
+    verify(logits, [3], None, GREEDY, rng, rows)
+    assert rows == []
