@@ -73,8 +73,9 @@ anchor: models
 
 # The shipped heads (models/): fixed seed, data and step counts (the budget is only a cap), 1 thread as
 # they were trained; feature caches and checkpoints go to $EDGESPEC_HOME/train/. Not part of
-# `make test`. Here: EAGLE-3 SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min
-# + 963 steps in 34 min (two runs side by side, one thread each); DFlash 2000 / 1200 steps in 11 / 7 min,
+# `make test`. Here: EAGLE-3 SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min (its prompts
+# framed "Question: …\nAnswer:", as bench feeds this template-less model) + 963 steps in 37 min (side by side with
+# the DFlash run, one thread each); DFlash 2000 / 1200 steps in 11 / 8 min,
 # DSpark 800 steps in 2 / 3 min. Torch's float reductions make a rerun
 # equal up to rounding, not bit for bit.
 SMOLLM2_HEAD_STEPS ?= 1470

@@ -28,7 +28,7 @@ def rows(result_dir: Path, temperatures: set[float] | None = None) -> list[dict]
         if temperatures and temp not in temperatures:
             continue
         alls = [r for r in data["summary"] if r["temperature"] == temp and r["category"] == "all"]
-        fixed = [r for r in alls if not r["config"].endswith("k=auto")]
+        fixed = [r for r in alls if not r["config"].endswith(("k=auto", "k=0"))]  # k=0: the A/A control
         picked = []
         if fixed:
             picked.append(max(fixed, key=lambda r: r["speedup_median"]))

@@ -54,7 +54,7 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
 def _auto_vs_fixed(rows: Sequence[dict]) -> list[str]:
     """Per category: the scheduler (k=auto) against the best fixed γ of the sweep."""
     auto = {r["category"]: r for r in rows if r["config"].endswith("k=auto")}
-    fixed = [r for r in rows if not r["config"].endswith("k=auto")]
+    fixed = [r for r in rows if not r["config"].endswith(("k=auto", "k=0"))]  # k=0: the A/A control
     if not auto or not fixed:
         return []
     out = ["| category | auto speedup | best fixed γ | its speedup | auto ÷ best fixed |", "|---|---|---|---|---|"]
