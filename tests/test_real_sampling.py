@@ -116,12 +116,14 @@ def test_the_chi_square_catches_a_biased_verifier(ngram_engine, plain_counts, mo
     """Power check: a verifier that resamples from p after a rejection (without zeroing the rejected
     draft) over-produces the draft token; 200 runs are enough for the same test to reject."""
 
-    def biased(logits, draft, q, params, rng):
+    def biased(logits, draft, q, params, rng, rows=None):
+        rows = [] if rows is None else rows  # the engine reads the processed rows back (shadow scoring)
         for i, x in enumerate(draft):
-            p = process(logits[i], params)
+            rows.append(p := process(logits[i], params))
             if rng.random() >= p[x]:
                 return i, sample(p, rng)  # bug: x stays in the distribution
-        return len(draft), sample(process(logits[len(draft)], params), rng)
+        rows.append(p := process(logits[len(draft)], params))
+        return len(draft), sample(p, rng)
 
     monkeypatch.setattr(edgespec.engine, "verify", biased)
     spec, _ = run_many(ngram_engine, range(200))
