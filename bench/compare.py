@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from edgespec.bench.run import memory_bound_prediction
+from edgespec.bench.run import is_fixed_gamma, memory_bound_prediction
 
 
 def rows(result_dir: Path, temperatures: set[float] | None = None) -> list[dict]:
@@ -28,7 +28,7 @@ def rows(result_dir: Path, temperatures: set[float] | None = None) -> list[dict]
         if temperatures and temp not in temperatures:
             continue
         alls = [r for r in data["summary"] if r["temperature"] == temp and r["category"] == "all"]
-        fixed = [r for r in alls if not r["config"].endswith(("k=auto", "k=0"))]  # k=0: the A/A control
+        fixed = [r for r in alls if is_fixed_gamma(r["config"])]
         picked = []
         if fixed:
             picked.append(max(fixed, key=lambda r: r["speedup_median"]))

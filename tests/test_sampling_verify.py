@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from edgespec.sampling import InvalidSamplingError, SamplingParams, process, sample
-from edgespec.verify import verify_greedy, verify_stochastic
+from edgespec.verify import verify, verify_greedy, verify_stochastic
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
@@ -77,3 +77,15 @@ def test_single_position_verification_is_exactly_p(one_hot):
         counts[x if n == 1 else tok] += 1
     tv = 0.5 * np.abs(counts / N - p).sum()
     assert tv <= 0.01, tv
+
+
+def test_verify_stochastic_hands_back_one_row_per_emitted_token():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 16)).astype(np.float32)
+    for _ in range(20):
+        rows: list[np.ndarray] = []
+        n, _ = verify(logits, [3, 4, 5], None, SamplingParams(0.9), rng, rows)
+        assert len(rows) == n + 1 and all(abs(r.sum() - 1) < 1e-9 for r in rows)
+    rows = []
+    verify(logits, [3], None, SamplingParams(), rng, rows)
+    assert rows == []

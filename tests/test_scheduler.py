@@ -199,16 +199,3 @@ def test_sampled_shadow_scoring_credits_p_of_the_draft_token():
         assert abs(model.hits[0] / model.tries[0] - want) < 1e-9
         assert sched.run > 0  # the emitted tokens matched: the run goes on either way
 
-
-def test_verify_stochastic_hands_back_one_row_per_emitted_token():
-    from edgespec.verify import verify
-
-    rng = np.random.default_rng(1)
-    logits = rng.standard_normal((4, 16)).astype(np.float32)
-    for _ in range(20):
-        rows: list[np.ndarray] = []
-        n, _ = verify(logits, [3, 4, 5], None, SamplingParams(0.9), rng, rows)
-        assert len(rows) == n + 1 and all(abs(r.sum() - 1) < 1e-9 for r in rows)
-    rows = []
-    verify(logits, [3], None, GREEDY, rng, rows)
-    assert rows == []

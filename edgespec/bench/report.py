@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from edgespec.bench.run import is_fixed_gamma
+
 
 def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict]) -> None:
     path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
@@ -54,7 +56,7 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
 def _auto_vs_fixed(rows: Sequence[dict]) -> list[str]:
     """Per category: the scheduler (k=auto) against the best fixed γ of the sweep."""
     auto = {r["category"]: r for r in rows if r["config"].endswith("k=auto")}
-    fixed = [r for r in rows if not r["config"].endswith(("k=auto", "k=0"))]  # k=0: the A/A control
+    fixed = [r for r in rows if is_fixed_gamma(r["config"])]
     if not auto or not fixed:
         return []
     out = ["| category | auto speedup | best fixed γ | its speedup | auto ÷ best fixed |", "|---|---|---|---|---|"]

@@ -30,6 +30,11 @@ class Config:
         return f"{name} k={self.k}"
 
 
+def is_fixed_gamma(label: str) -> bool:
+    """Whether a config label is a fixed γ ≥ 1 (not `k=auto`, nor the `k=0` A/A control)."""
+    return not label.endswith(("k=auto", "k=0"))
+
+
 @dataclass
 class Run:
     task: str
