@@ -3,6 +3,8 @@ checked against a numpy forward, against each other, across batching and rollbac
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from gguf_fixtures import build_tiny_llama
 from llama_numpy import LlamaWeights, llama_forward
 
+from edgespec.backends.capture_c import compiled_callback
 from edgespec.backends.llama_features import EXT_SYMBOLS, LlamaFeatureBackend, eagle3_layer_ids, ext_api
 from edgespec.errors import BackendError
 
@@ -140,7 +143,8 @@ def test_rows_follow_positions_after_rollback(tiny8: Path, method: str):
 def test_cb_eval_recovers_from_a_stale_address_memo(tiny8: Path):
     """The callback's node-address memo gone stale (as if a rebuilt graph had moved every node): the
     decode is redone with fresh names and the rows are right; the memo learns the new addresses."""
-    with LlamaFeatureBackend(tiny8, method="cb_eval", kv_type="f32", n_ctx=64, threads=1) as b:
+    with LlamaFeatureBackend(tiny8, method="cb_eval", compiled=False, kv_type="f32", n_ctx=64, threads=1) as b:
+        assert b.capture_impl == "python"
         b.eval(TOKENS[:3], rows="last")
         b.eval(TOKENS[3:6], rows="last")
         want = b.features()
@@ -153,12 +157,44 @@ def test_cb_eval_recovers_from_a_stale_address_memo(tiny8: Path):
         assert b.n_past == 6 and sum(cap._wanted.values()) >= 3
 
 
+def test_compiled_and_python_callbacks_agree_bit_for_bit(tiny8: Path):
+    """The compiled cb_eval callback (built here: this machine has a C compiler) copies the same
+    tensors as the Python one, through batches, single steps and rollbacks."""
+    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: only the Python callback can run here")
+    out = {}
+    for compiled in (True, False):
+        with LlamaFeatureBackend(tiny8, method="cb_eval", compiled=compiled, n_ctx=64, threads=1) as b:
+            b.eval(TOKENS[:6], rows="last")
+            b.eval(TOKENS[6:10], rows="all")
+            b.truncate(7)
+            b.eval([777], rows="all")
+            b.eval([4242, 99, 5], rows="all")
+            out[b.capture_impl] = b.features()
+    assert sorted(out) == ["c", "python"]
+    assert out["c"].shape == (11, 3 * 64) and np.array_equal(out["c"], out["python"])
+
+
+def test_no_cc_falls_back_to_the_python_callback(tiny8: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("EDGESPEC_NO_CC", "1")
+    compiled_callback.cache_clear()
+    try:
+        assert compiled_callback() is None
+        with LlamaFeatureBackend(tiny8, method="cb_eval", n_ctx=64, threads=1) as b:
+            assert b.capture_impl == "python"
+            b.eval(TOKENS, rows="last")
+            assert b.features().shape == (len(TOKENS), 3 * 64)
+    finally:
+        compiled_callback.cache_clear()
+
+
 def test_gemma3_takes_the_cb_eval_path(gemma_q4_path: Path):
     """gemma3's graph sets no layer inputs: "auto" picks cb_eval, "ext" is refused (it would abort)."""
     with pytest.raises(BackendError, match="aborts the process for arch 'gemma3'"):
         LlamaFeatureBackend(gemma_q4_path, method="ext", n_ctx=64)
     with LlamaFeatureBackend(gemma_q4_path, n_ctx=64, threads=1) as b:
         assert (b.feature_method, b.feature_layers, b.n_embd) == ("cb_eval", (2, 9, 15), 640)
+        assert b.capture_impl == ("c" if compiled_callback() is not None else "python")
         toks = b.tokenize("The history of the Roman Empire")
         b.eval(toks[:3], rows="last")
         b.eval(toks[3:], rows="last")

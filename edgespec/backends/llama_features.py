@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.backends.capture_c import CCapture, compiled_callback
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError
 
@@ -235,6 +236,8 @@ class LlamaFeatureBackend(LlamaCppBackend):
         method: "ext" (libllama's layer-input API; refused for archs outside ``EXT_ARCHS``),
             "cb_eval" (eval callback on ``l_out-<id-1>``), or "auto" (ext where allowed and
             exported, else cb_eval).
+        compiled: run cb_eval through the compiled callback (``capture_c``) when it builds; False,
+            or no C compiler: the Python callback.
         **kwargs: as for LlamaCppBackend.
 
     After ``eval`` (any ``rows``, chunked or not), ``features(start, stop)`` holds one row per
@@ -243,11 +246,13 @@ class LlamaFeatureBackend(LlamaCppBackend):
     """
 
     def __init__(self, path: Any, *, layers: Sequence[int] | None = None, method: FeatureMethod = "auto",
-                 **kwargs: Any) -> None:
+                 compiled: bool = True, **kwargs: Any) -> None:
         if method not in ("auto", "ext", "cb_eval"):
             raise ValueError(f"method must be 'auto', 'ext' or 'cb_eval' (got {method!r})")
         self._want_layers, self._want_method = layers, method
-        self._capture: _CbEvalCapture | None = None
+        self._compiled = compiled
+        self._capture: _CbEvalCapture | CCapture | None = None
+        self.capture_impl: str | None = None  # cb_eval only: "c" (compiled callback) or "python"
         super().__init__(path, **kwargs)
         if self.feature_method == "ext":
             api = ext_api()
@@ -275,9 +280,13 @@ class LlamaFeatureBackend(LlamaCppBackend):
             raise BackendError(f"method='ext' is unavailable: {why}; use method='cb_eval'")
         self.feature_method = "ext" if ext_ok and self._want_method != "cb_eval" else "cb_eval"
         if self.feature_method == "cb_eval":
-            self._capture = _CbEvalCapture([f"l_out-{lid - 1}" for lid in layers], self.n_embd)
-            cp.cb_eval = self._capture.callback  # self._capture keeps the CFUNCTYPE object alive
-            cp.cb_eval_user_data = None
+            names = [f"l_out-{lid - 1}" for lid in layers]
+            lib = compiled_callback() if self._compiled else None
+            self._capture = (CCapture(lib, _ggml(), names, self.n_embd, cp.n_batch) if lib is not None
+                             else _CbEvalCapture(names, self.n_embd))
+            self.capture_impl = "c" if lib is not None else "python"
+            cp.cb_eval = self._capture.callback  # self._capture keeps the callback and its data alive
+            cp.cb_eval_user_data = getattr(self._capture, "user_data", None)
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         n = len(chunk)
