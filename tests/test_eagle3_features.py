@@ -175,8 +175,17 @@ def test_compiled_and_python_callbacks_agree_bit_for_bit(tiny8: Path):
     assert out["c"].shape == (11, 3 * 64) and np.array_equal(out["c"], out["python"])
 
 
-def test_no_cc_falls_back_to_the_python_callback(tiny8: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("EDGESPEC_NO_CC", "1")
+@pytest.mark.parametrize("why", ["EDGESPEC_NO_CC", "compiler fails", "unwritable cache"])
+def test_without_a_compiled_callback_the_python_one_runs(tiny8: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, why: str):
+    if why == "EDGESPEC_NO_CC":
+        monkeypatch.setenv("EDGESPEC_NO_CC", "1")
+    elif why == "compiler fails":
+        monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+        monkeypatch.setenv("CC", "false")
+    else:
+        (tmp_path / "home").write_text("a file, not a directory")
+        monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
     compiled_callback.cache_clear()
     try:
         assert compiled_callback() is None

@@ -102,22 +102,22 @@ def compiled_callback() -> ctypes.CDLL | None:
         cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
         if cc is None:
             return None
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            src, out = os.path.join(tmp, "capture.c"), os.path.join(tmp, "capture.so")
-            with open(src, "w") as f:
-                f.write(C_SOURCE)
-            try:
+        try:
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+                src, out = os.path.join(tmp, "capture.c"), os.path.join(tmp, "capture.so")
+                with open(src, "w") as f:
+                    f.write(C_SOURCE)
                 subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out, src], check=True,
                                capture_output=True, timeout=60)
-            except (OSError, subprocess.SubprocessError):
-                return None
-            os.replace(out, lib_path)  # atomic: another process may be building the same file
+                os.replace(out, lib_path)  # atomic: another process may be building the same file
+        except (OSError, subprocess.SubprocessError):  # unwritable cache, compiler error or hang
+            return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-    except OSError:
+        lib.edgespec_capture.restype = ctypes.c_bool
+    except (OSError, AttributeError):
         return None
-    lib.edgespec_capture.restype = ctypes.c_bool
     return lib
 
 
