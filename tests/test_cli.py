@@ -57,6 +57,7 @@ def test_help_without_llama_cpp(args: list[str]) -> None:
         assert all(cmd in proc.stdout for cmd in ("generate", "chat", "demo", "models"))
     if args[0] == "generate":
         assert all(flag in proc.stdout for flag in ("--target", "--drafter", "--num-draft", "--temp", "--no-spec"))
+        assert "'edgespec[mlx]'" in proc.stdout  # the extra's name survives rich markup
 
 
 def test_missing_llama_cpp_is_a_one_line_error(tmp_path: Path) -> None:

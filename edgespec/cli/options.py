@@ -92,7 +92,7 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
                                 "a head GGUF (EAGLE-3, DFlash, DSpark), or 'none'."),
     "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
-                                "converted to MLX once and cached; needs `pip install 'edgespec[mlx]'`)."),
+                                "converted to MLX once and cached; needs `pip install 'edgespec\\[mlx]'`)."),  # \[: not rich markup
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
                                          "costs and acceptance (0 = plain steps when speculation would lose)."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),
