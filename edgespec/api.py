@@ -87,8 +87,14 @@ def make_drafter(spec: str | os.PathLike | None, target: Backend, backend: str =
     if text == "ngram" or text.startswith("ngram:"):
         from edgespec.drafters.ngram import NgramDrafter
 
-        sizes = [int(s) for s in text.split(":")[1:]]
-        return NgramDrafter(*sizes)
+        parts = text.split(":")[1:]
+        if len(parts) > 2 or not all(p.isdigit() for p in parts):
+            raise EdgespecError(f"bad n-gram drafter {text!r}: use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' "
+                                f"with whole numbers (e.g. ngram:4:2)")
+        try:
+            return NgramDrafter(*(int(p) for p in parts))
+        except ValueError as e:
+            raise EdgespecError(f"bad n-gram drafter {text!r}: {e}") from None
     from edgespec.drafters.feature_heads import head_arch
 
     arch = head_arch(text)

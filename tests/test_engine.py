@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
 import pytest
 
+from edgespec.api import make_drafter
 from edgespec.backends.reference import ReferenceBackend
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
@@ -163,6 +165,19 @@ def test_ngram_lookup():
     assert d.lookup(ctx, 3) == [5, 7, 2]  # latest match of [2, 3] is followed by 5 7 2
     assert d.lookup(np.array([1, 2, 3]), 3) == []
     assert d.draft([5, 6, 5, 6], 10, SamplingParams(), np.random.default_rng()).tokens == [5, 6]
+
+
+@pytest.mark.parametrize("spec, sizes", [("ngram", (4, 2)), ("ngram:5", (5, 2)), ("ngram:3:3", (3, 3))])
+def test_ngram_specs(spec: str, sizes: tuple[int, int]):
+    d = make_drafter(spec, target=None)  # an n-gram drafter needs no target
+    assert isinstance(d, NgramDrafter) and (d.n_max, d.n_min) == sizes
+
+
+@pytest.mark.parametrize("spec, why", [("ngram:x", "whole numbers"), ("ngram:3:2:1", "whole numbers"),
+                                       ("ngram:2:3", "n_min <= n_max"), ("ngram:-1", "whole numbers")])
+def test_bad_ngram_specs_are_one_line_errors(spec: str, why: str):
+    with pytest.raises(EdgespecError, match=f"bad n-gram drafter '{spec}'.*{re.escape(why)}"):
+        make_drafter(spec, target=None)
 
 
 def test_ngram_index_agrees_with_a_full_scan():

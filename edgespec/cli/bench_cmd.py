@@ -16,7 +16,8 @@ def bench(
     target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name (with "
                                         "--backend mlx also an mlx-lm directory).")] = "smollm2",
     drafter: Annotated[list[str] | None, typer.Option(
-        "--drafter", help="Drafter config (repeatable): 'ngram', a same-vocabulary GGUF path/name, or an "
+        "--drafter", help="Drafter config (repeatable): 'ngram' (or 'ngram:N_MAX:N_MIN', the n-gram sizes), a "
+                                "same-vocabulary GGUF path/name, or an "
                                 "EAGLE-3 / DFlash / DSpark head GGUF.")] = None,
     k: Annotated[list[str] | None, typer.Option(
         "-k", "--num-draft", help="γ values (repeatable): integers >= 1, 'auto' for the scheduler, or 0: "

@@ -89,7 +89,8 @@ _PANEL = "Model and sampling"
 _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`); "
                                "with --backend mlx also an mlx-lm model directory."),
-    "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup), a same-vocabulary GGUF path or model name, "
+    "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup; 'ngram:N_MAX:N_MIN' sets the n-gram sizes, default 4:2), "
+                                "a same-vocabulary GGUF path or model name, "
                                 "a head GGUF (EAGLE-3, DFlash, DSpark), or 'none'."),
     "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
                                 "converted to MLX once and cached; needs `pip install 'edgespec\\[mlx]'`)."),  # \[: not rich markup
