@@ -3,8 +3,6 @@ checked against a numpy forward, against each other, across batching and rollbac
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 from gguf_fixtures import build_tiny_llama
 from llama_numpy import LlamaWeights, llama_forward
 
-from edgespec.backends.capture_c import compiled_callback
+from edgespec.backends.capture_c import compiled_callback, find_compiler
 from edgespec.backends.llama_features import EXT_SYMBOLS, LlamaFeatureBackend, eagle3_layer_ids, ext_api
 from edgespec.errors import BackendError
 
@@ -160,7 +158,7 @@ def test_cb_eval_recovers_from_a_stale_address_memo(tiny8: Path):
 def test_compiled_and_python_callbacks_agree_bit_for_bit(tiny8: Path):
     """The compiled cb_eval callback (built here: this machine has a C compiler) copies the same
     tensors as the Python one, through batches, single steps and rollbacks."""
-    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+    if find_compiler() is None:
         pytest.skip("no C compiler: only the Python callback can run here")
     out = {}
     for compiled in (True, False):

@@ -88,6 +88,11 @@ class _Capture(ctypes.Structure):
                 ("cap", ctypes.c_size_t * MAX_SLOTS), ("got", ctypes.c_int64 * MAX_SLOTS)]
 
 
+def find_compiler() -> str | None:
+    """The C compiler the callback is built with: ``$CC``, else cc, gcc or clang on PATH (None: none)."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
 @functools.lru_cache(maxsize=1)
 def compiled_callback() -> ctypes.CDLL | None:
     """The compiled library (built once, cached on disk), or None: no compiler, a failed build, or
@@ -99,7 +104,7 @@ def compiled_callback() -> ctypes.CDLL | None:
     digest = hashlib.sha256(C_SOURCE.encode()).hexdigest()[:16]
     lib_path = edgespec_home() / "build" / f"capture-{digest}.so"
     if not lib_path.exists():
-        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+        cc = find_compiler()
         if cc is None:
             return None
         try:

@@ -179,6 +179,8 @@ class _CbEvalCapture:
     rounds), the compiled callback -0.6% (none).
     """
 
+    user_data = None  # cb_eval_user_data: this callback keeps its state on the Python object
+
     def __init__(self, names: Sequence[str], n_embd: int) -> None:
         import llama_cpp
 
@@ -288,7 +290,7 @@ class LlamaFeatureBackend(LlamaCppBackend):
                              else _CbEvalCapture(names, self.n_embd))
             self.capture_impl = "c" if lib is not None else "python"
             cp.cb_eval = self._capture.callback  # self._capture keeps the callback and its data alive
-            cp.cb_eval_user_data = getattr(self._capture, "user_data", None)
+            cp.cb_eval_user_data = self._capture.user_data
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         n = len(chunk)
