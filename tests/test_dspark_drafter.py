@@ -108,15 +108,18 @@ def test_sampled_spec_with_dspark_matches_target_distribution():
 # -- llama.cpp targets (real) ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dspark(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> tuple[Path, Path]:
-    """The tiny 4-layer llama and a random F32 DSpark head for it (rank 8, confidence head, a d2t of
-    the first 8192 ids with its own LM head; the target's token embeddings)."""
+@pytest.fixture(scope="module", params=[("f32", 8), ("q8_0", 32)], ids=["markov-f32", "markov-q8_0"])
+def tiny_dspark(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                smollm2_path: Path) -> tuple[Path, Path]:
+    """The tiny 4-layer llama and a random F32 DSpark head for it (confidence head, a d2t of the first
+    8192 ids with its own LM head; the target's token embeddings): rank 8 with an F32 markov_w1, and
+    rank 32 with the Q8_0 markov_w1 that shipped heads have."""
+    markov_type, rank = request.param
     d = tmp_path_factory.mktemp("dspark")
     target = build_tiny_llama(d / "tiny4.gguf", vocab_source=smollm2_path, n_layer=4, seed=0)
-    cfg = _tiny_head_config(n_draft_vocab=8192, markov_rank=8, has_confidence=True)
+    cfg = _tiny_head_config(n_draft_vocab=8192, markov_rank=rank, has_confidence=True)
     return target, write_dflash_gguf(d / "dspark.gguf", cfg, random_tensors(cfg, seed=2), vocab_source=smollm2_path,
-                                     weight_type="f32")
+                                     weight_type="f32", markov_type=markov_type)
 
 
 @pytest.mark.real

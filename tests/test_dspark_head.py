@@ -76,24 +76,38 @@ def test_dspark_head_runs_as_a_dflash_head():
     np.testing.assert_array_equal(a.forward_block([1, MASK, MASK])[0], b.forward_block([1, MASK, MASK])[0])
 
 
-@pytest.mark.parametrize("weight_type", ["f32", "q8_0"])
-def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str):  # noqa: F811
-    """The Markov/conf tensors stay F32 (exact) whatever the weight type; ne orders and keys are
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize(("weight_type", "markov_type", "rank", "w1_type"),
+                         [("f32", "f32", R, Q.F32), ("q8_0", "q8_0", R, Q.F16), ("f16", None, 32, Q.Q8_0),
+                          ("f32", "f16", 32, Q.F16)])
+def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str, markov_type: str | None,  # noqa: F811
+                         rank: int, w1_type: gguf.GGMLQuantizationType):
+    """markov_w2 and the confidence head stay F32 (exact) whatever the weight type; markov_w1 is
+    written in ``markov_type`` (default Q8_0 outside F32 files; F16 when Q8_0 cannot block its rows)
+    and reads back as exactly the dequantized values ggml's get_rows gives; ne orders and keys are
     llama.cpp's."""
-    cfg, t = _dspark()
-    path = write_dflash_gguf(tmp_path / "s.gguf", cfg, t, vocab_source=vocab_source, weight_type=weight_type)
+    cfg = _config(markov_rank=rank, has_confidence=True)
+    t = random_tensors(cfg, seed=5, d2t=np.arange(V - VD, V))
+    path = write_dflash_gguf(tmp_path / "s.gguf", cfg, t, vocab_source=vocab_source, weight_type=weight_type,
+                             markov_type=markov_type)
     cfg2, t2 = read_dflash_gguf(path)
     assert cfg2 == cfg and set(t2) == set(t)
-    for k in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias"):
+    for k in ("markov_w2.weight", "conf_proj.weight", "conf_proj.bias"):
         np.testing.assert_array_equal(t2[k], t[k])
+    w1 = t["markov_w1.weight"]
+    np.testing.assert_array_equal(t2["markov_w1.weight"],
+                                  gguf.quants.dequantize(gguf.quants.quantize(w1, w1_type), w1_type).reshape(w1.shape))
+    if w1_type != Q.F32:
+        assert 0 < np.abs(t2["markov_w1.weight"] - w1).max() <= 0.01 * np.abs(w1).max()
     f = read_gguf(path, lambda k: True)
     assert f.value("dflash.sample_from_anchor") is False and f.value("dflash.has_confidence_head") is True
     assert f.kv["dflash.sample_from_anchor"][1] == gguf.GGUFValueType.BOOL
     r = gguf.GGUFReader(path)
     ne = {x.name: (tuple(int(n) for n in x.shape), x.tensor_type) for x in r.tensors}
-    F32 = gguf.GGMLQuantizationType.F32
-    assert ne["markov_w1.weight"] == ((R, V), F32) and ne["markov_w2.weight"] == ((R, VD), F32)
-    assert ne["conf_proj.weight"] == ((64 + R, 1), F32) and ne["conf_proj.bias"] == ((1,), F32)
+    assert ne["markov_w1.weight"] == ((rank, V), w1_type) and ne["markov_w2.weight"] == ((rank, VD), Q.F32)
+    assert ne["conf_proj.weight"] == ((64 + rank, 1), Q.F32) and ne["conf_proj.bias"] == ((1,), Q.F32)
     cfg3, t3 = _config(markov_rank=R), random_tensors(_config(markov_rank=R))
     cfg4, _ = read_dflash_gguf(write_dflash_gguf(tmp_path / "nc.gguf", cfg3, t3, vocab_source=vocab_source))
     assert cfg4 == cfg3 and not cfg4.has_confidence

@@ -19,9 +19,12 @@ target's through ``ctx_other``. The file carries the target's ``tokenizer.*`` me
 DSpark (``edgespec.heads.dspark``) adds ``markov_w1.weight`` (ne {R, V}), ``markov_w2.weight``
 (ne {R, V_d}), optional ``conf_proj.weight`` (ne {H+R, 1}) and ``conf_proj.bias`` (ne {1}), and the
 BOOL keys ``dflash.sample_from_anchor`` (llama.cpp's default when absent is true; edgespec writes
-false, the bonus-anchor layout, and refuses true) and ``dflash.has_confidence_head``. These tensors
-are written F32 whatever the weight type, so llama.cpp's in-graph Markov bias matches the host's
-to float rounding (the libllama drafter relies on it).
+false, the bonus-anchor layout, and refuses true) and ``dflash.has_confidence_head``. ``markov_w2``
+and the confidence head are written F32 whatever the weight type, and ``markov_w1`` (a row per
+target token: 262k × R on Gemma-3) in ``markov_type``: Q8_0 by default (F16 if R is not a multiple of
+32), F32 in an F32 file. llama.cpp's in-graph Markov bias then matches the host's to float rounding, which the libllama
+drafter relies on: ``ggml_get_rows`` dequantizes the rows it picks exactly as ``gguf.quants``
+dequantizes them for the host, and the product with the F32 ``markov_w2`` keeps F32 activations.
 
 The reader refuses files using parts ``edgespec.heads.dflash`` does not implement (DFlash2
 conv/selector keys, DSV4 hyper-connections, sliding windows, M-RoPE sections, non-SiLU activations)
@@ -37,13 +40,14 @@ from typing import Any
 import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
-from edgespec.heads.dspark import MARKOV_TENSORS
+from edgespec.heads.dspark import MARKOV_TENSORS, MARKOV_W1
 from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
 
 # fc reads the raw fused target features, whose outlier dimensions exceed float16's range on real
 # targets (Gemma-3-270M: |x| up to ~1e5); ggml's CPU matmul converts the activations to the weight's
 # vec-dot type, so an F16 fc turns them into inf and the block's logits into NaN. F32 fc keeps them.
-F32_TENSORS = ("fc.weight", *MARKOV_TENSORS)
+# markov_w2 and the confidence head multiply the host's chain: F32 keeps that chain exact.
+F32_TENSORS = ("fc.weight", *(t for t in MARKOV_TENSORS if t != MARKOV_W1))
 
 ARCH = "dflash"
 MASK_KEY = "tokenizer.ggml.mask_token_id"
@@ -53,7 +57,7 @@ _UNSUPPORTED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "se
 
 def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[str, npt.NDArray[Any]], *,
                       vocab_source: str | Path, weight_type: str = "f16", name: str = "edgespec dflash head",
-                      extra_kv: Mapping[str, str] | None = None) -> Path:
+                      extra_kv: Mapping[str, str] | None = None, markov_type: str | None = None) -> Path:
     """Write a DFlash head in llama.cpp's layout.
 
     Args:
@@ -67,6 +71,8 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
             matrix whose rows are not a multiple of 32 values is written as F16.
         name: general.name.
         extra_kv: extra string metadata (e.g. ``edgespec.head.*`` provenance).
+        markov_type: "q8_0", "f16" or "f32" for a DSpark head's ``markov_w1`` (see the module doc);
+            default "f32" for an F32 file, else "q8_0".
 
     Returns:
         ``path`` as a Path.
@@ -86,7 +92,9 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
     if config.markov_rank:
         w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
         w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
-    finish_head_file(w, tok, tensors, weight_type, extra_kv, keep_f32=F32_TENSORS)
+    markov_type = markov_type or ("f32" if weight_type == "f32" else "q8_0")
+    types = dict.fromkeys(F32_TENSORS, "f32") | {MARKOV_W1: markov_type}
+    finish_head_file(w, tok, tensors, weight_type, extra_kv, types=types)
     return Path(path)
 
 

@@ -22,7 +22,8 @@ import numpy.typing as npt
 from edgespec.heads.dflash import DFlashConfig
 
 F32 = npt.NDArray[np.float32]
-MARKOV_TENSORS = ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias")
+MARKOV_W1 = "markov_w1.weight"  # a row per target token
+MARKOV_TENSORS = (MARKOV_W1, "markov_w2.weight", "conf_proj.weight", "conf_proj.bias")
 
 
 class MarkovHead:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,11 +200,12 @@ def start_head_file(path: str | Path, arch: str, config: Any, *, n_layer: int, v
 
 
 def finish_head_file(w: gguf.GGUFWriter, tok: Mapping[str, Any], tensors: Mapping[str, npt.NDArray[Any]],
-                     weight_type: str, extra_kv: Mapping[str, str] | None, keep_f32: Collection[str] = ()) -> None:
-    """Add the tokenizer fields, ``extra_kv`` and the tensors (2-D weights in ``weight_type``, a Q8_0
-    matrix whose rows are not a multiple of 32 values as F16; 1-D and those named in ``keep_f32``
-    F32; d2t I64), write and close."""
-    qtype = WEIGHT_TYPES[weight_type]
+                     weight_type: str, extra_kv: Mapping[str, str] | None,
+                     types: Mapping[str, str] | None = None) -> None:
+    """Add the tokenizer fields, ``extra_kv`` and the tensors (2-D weights in ``weight_type``, or in
+    the weight type ``types`` names for them; a Q8_0 matrix whose rows are not a multiple of 32 values
+    as F16; 1-D F32; d2t I64), write and close."""
+    types = types or {}
     for key, (value, vtype, sub) in tok.items():
         w.add_key_value(key, value, vtype, sub)
     for key, text in (extra_kv or {}).items():
@@ -214,7 +215,7 @@ def finish_head_file(w: gguf.GGUFWriter, tok: Mapping[str, Any], tensors: Mappin
             w.add_tensor(tname, np.ascontiguousarray(arr, np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
             continue
         arr = np.ascontiguousarray(arr, np.float32)
-        t = qtype if arr.ndim == 2 and tname not in keep_f32 else gguf.GGMLQuantizationType.F32
+        t = WEIGHT_TYPES[types.get(tname, weight_type)] if arr.ndim == 2 else gguf.GGMLQuantizationType.F32
         if t == gguf.GGMLQuantizationType.Q8_0 and arr.shape[-1] % 32:
             t = gguf.GGMLQuantizationType.F16
         data = gguf.quants.quantize(arr, t)
