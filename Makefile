@@ -55,19 +55,19 @@ bench: models
 	done
 
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
-# outside the repository, ~10 min the first time), beside `make bench`'s k=auto runs: appended to
-# bench/RESULTS.md. Run after `make bench`, on an idle machine.
-ANCHOR_ARGS ?= --per-category 2 --max-tokens 96
+# outside the repository, ~10 min the first time), each task's native runs followed by edgespec
+# -k auto on the same pair (paired ratios): appended to bench/RESULTS.md. Run on an idle machine.
+ANCHOR_ARGS ?= --per-category 2 --max-tokens 96 --repeats 3
 anchor: models
 	@set -e; bench/anchors/build.sh > /dev/null; M=$${EDGESPEC_HOME:-$$HOME/.cache/edgespec}/models; \
-	$(BIN)/python bench/anchors/native.py --target $$M/SmolLM2-135M-Instruct.Q4_1.gguf --drafter ngram \
+	$(BIN)/python bench/anchors/native.py --target $$M/SmolLM2-135M-Instruct.Q4_1.gguf --drafter ngram --edgespec-auto \
 	  --n-max 0 --n-max 4 --n-max 8 --n-max 12 $(ANCHOR_ARGS) --out bench/results/smollm2-ngram/native_anchor.json; \
 	$(BIN)/python bench/anchors/native.py --target $$M/gemma-3-270m-f16.gguf --drafter $$M/gemma-3-270m-q4_k_m.gguf \
-	  --n-max 0 --n-max 2 --n-max 4 --n-max 8 $(ANCHOR_ARGS) --out bench/results/gemma3-f16-draft/native_anchor.json; \
+	  --edgespec-auto --n-max 0 --n-max 2 --n-max 4 --n-max 8 $(ANCHOR_ARGS) --out bench/results/gemma3-f16-draft/native_anchor.json; \
 	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> bench/RESULTS.md; \
 	for pair in smollm2-ngram gemma3-f16-draft; do \
 	  printf '### %s\n\n' $$pair >> bench/RESULTS.md; \
-	  $(BIN)/python bench/anchors/compare.py bench/results/$$pair/results.json bench/results/$$pair/native_anchor.json >> bench/RESULTS.md; \
+	  $(BIN)/python bench/anchors/compare.py bench/results/$$pair/native_anchor.json >> bench/RESULTS.md; \
 	  echo >> bench/RESULTS.md; \
 	done
 

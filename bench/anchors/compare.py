@@ -7,6 +7,13 @@ tasks, and the best per category), on the same tasks and token budget.
 Prints a markdown table. Plain speeds of both are shown: the native `--n-max 0` runs (plain
 decoding through the same native loop) and edgespec's paired plain runs, so machine drift between
 the two measurements is visible.
+
+    .venv/bin/python bench/anchors/compare.py out/anchor.json
+
+With one file, written by `native.py --edgespec-auto`: the paired table. Each (task, repeat) ran
+every native n-max and edgespec `-k auto` back to back; per category it gives median tok/s and the
+medians of the per-pair ratios auto ÷ native n-max N, and auto ÷ the best native n-max of that very
+pair (an oracle choice per task, the strictest reading).
 """
 
 from __future__ import annotations
@@ -19,12 +26,18 @@ from collections import defaultdict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("edgespec", help="results.json of `edgespec bench` (with a k=auto config)")
-    ap.add_argument("native", help="JSON written by native.py")
+    ap.add_argument("files", nargs="+", metavar="FILE",
+                    help="results.json of `edgespec bench` (with a k=auto config) and the JSON of native.py; "
+                         "or only a JSON of `native.py --edgespec-auto`")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    es = json.load(open(args.edgespec))
-    nat = json.load(open(args.native))
+    if len(args.files) == 1:
+        paired(json.load(open(args.files[0])))
+        return
+    if len(args.files) != 2:
+        ap.error("give an edgespec results.json and a native.py JSON, or one paired native.py JSON")
+    es = json.load(open(args.files[0]))
+    nat = json.load(open(args.files[1]))
     auto = [r for r in es["runs"] if r["config"].endswith("k=auto") and r["temperature"] == args.temperature]
     plain = [r for r in es["runs"] if r["config"] == "plain" and r["temperature"] == args.temperature]
     tasks = {r["task"] for r in auto}
@@ -48,6 +61,31 @@ def main() -> None:
         native_plain = f"{med(by[(0, cat)]):.1f}" if by.get((0, cat)) else "–"
         print(f"| {cat} | {med(a):.1f} | {med(p):.1f} | {med(by[(best_all, cat)]):.1f} | "
               f"{best:.1f} (n-max {n_cat}) | {native_plain} | **{med(a) / best:.2f}** |")
+
+
+def paired(nat: dict) -> None:
+    """The table of `native.py --edgespec-auto` rows: ratios within each (task, repeat)."""
+    runs = defaultdict(dict)  # (task, repeat) -> {n_max or "auto": tok/s}
+    cat_of = {}
+    for r in nat["rows"]:
+        runs[(r["task"], r["repeat"])][r["n_max"]] = r["tok_per_s"]
+        cat_of[r["task"]] = r["category"]
+    runs = {k: v for k, v in runs.items() if "auto" in v}
+    if not runs:
+        raise SystemExit("no edgespec rows: run native.py with --edgespec-auto")
+    spec_n = sorted(n for n in nat["meta"]["n_max"] if n > 0)
+    med = statistics.median
+    print("| category | pairs | edgespec auto tok/s | native plain tok/s | "
+          + " | ".join(f"native n-max {n} tok/s" for n in spec_n) + " | "
+          + " | ".join(f"auto ÷ n-max {n}" for n in spec_n) + " | auto ÷ best n-max of each pair |")
+    print("|---" * (5 + 2 * len(spec_n)) + "|")
+    for cat in sorted(set(cat_of.values())) + ["all"]:
+        rs = [v for (task, _), v in runs.items() if cat in ("all", cat_of[task])]
+        plain = f"{med(v[0] for v in rs):.1f}" if all(0 in v for v in rs) else "–"
+        speeds = " | ".join(f"{med(v[n] for v in rs):.1f}" for n in spec_n)
+        ratios = " | ".join(f"{med(v['auto'] / v[n] for v in rs):.2f}" for n in spec_n)
+        best = med(v["auto"] / max(v[n] for n in spec_n) for v in rs)
+        print(f"| {cat} | {len(rs)} | {med(v['auto'] for v in rs):.1f} | {plain} | {speeds} | {ratios} | **{best:.2f}** |")
 
 
 if __name__ == "__main__":

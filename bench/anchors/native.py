@@ -8,6 +8,8 @@ beside `edgespec bench`. Build the binary first with bench/anchors/build.sh.
         --n-max 4 [--n-max 8] [--category code_edit ...] --out FILE.json
 
 `--n-max 0` runs the same native loop with a drafter that never drafts (plain decoding baseline).
+`--edgespec-auto` also runs edgespec `-k auto` on the same pair, right after the native runs of the
+same task and repeat, so that `compare.py --paired` can divide speeds measured seconds apart.
 """
 
 from __future__ import annotations
@@ -126,6 +128,39 @@ def render(engine, task, chat: bool) -> tuple[str, list[int], str, bool]:
     return text, ids, native, tgt.tokenize(native, True, True) == ids
 
 
+def run_native(args: argparse.Namespace, binary: Path, flags: list[str], task, n_max: int, rep: int,
+               prompt: tuple[str, list[int], str, bool], tmp: Path, log_dir: Path | None) -> dict:
+    """One native run of one task: its JSON row."""
+    text, ids, native_text, same = prompt
+    pfile = tmp / f"{task.id}.txt"
+    # -f drops one trailing newline: add one so the prompt arrives unchanged
+    pfile.write_text(native_text + "\n", encoding="utf-8")
+    # the native loop stops once it has produced MORE than -n tokens: -n max-1 gives max
+    cmd = [str(binary), *flags, "-f", str(pfile), "-n", str(task.max_tokens - 1)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+    wall = time.perf_counter() - t0
+    out = proc.stdout.decode("utf-8", "replace")
+    if log_dir:
+        (log_dir / f"{task.id}.n{n_max}.r{rep}.log").write_text(out, encoding="utf-8")
+    if proc.returncode != 0:
+        print(out[-3000:], file=sys.stderr)
+        sys.exit(f"{BIN_NAME} exited {proc.returncode} on {task.id} (n_max {n_max})")
+    r = parse_output(out)
+    row = dict(task=task.id, category=task.category, drafter=args.drafter, n_max=n_max, loop="native",
+               repeat=rep, tok_per_s=r["tok_per_s"], n_drafted=r["n_drafted"],
+               n_accepted=r["n_accepted"], n_tokens=r["n_tokens"], max_tokens=task.max_tokens,
+               acceptance=r["n_accepted"] / r["n_drafted"] if r["n_drafted"] else None,
+               decode_s=r["decode_s"], native_tok_per_s=r["native_tok_per_s"],
+               n_prompt=r["n_prompt"], n_prompt_edgespec=len(ids), prompt_s=r["prompt_s"],
+               prompt_tokens_match=same and r["n_prompt"] == len(ids), wall_s=wall,
+               text=generated_text(out, native_text))
+    acc = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"
+    print(f"{task.id:<22} n_max={n_max:<2} {row['n_tokens']:>4} tok  {row['tok_per_s']:7.1f} tok/s  "
+          f"drafted {row['n_drafted']:>4}  accepted {row['n_accepted']:>4} ({acc})", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target GGUF path (or edgespec model name)")
@@ -149,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bin", help=f"path to {BIN_NAME} (default: the one build.sh made)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per native run")
     ap.add_argument("--log-dir", help="keep each run's full native output here")
+    ap.add_argument("--edgespec-auto", action="store_true",
+                    help="after each task's native runs, run edgespec -k auto on the same pair (paired rows)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
 
-    from edgespec.api import open_backend
+    from edgespec.api import load, open_backend
+    from edgespec.bench.run import _one
     from edgespec.bench.tasks import load_tasks
     from edgespec.engine import Engine
     from edgespec.models import resolve_model
@@ -176,13 +214,18 @@ def main(argv: list[str] | None = None) -> int:
             by_cat[t.category].append(dataclasses.replace(t, max_tokens=cap))
     selected = [t for ts in by_cat.values() for t in ts]
 
-    # render every prompt with edgespec, then free the model before the native runs
-    engine = Engine(open_backend(target, threads=args.threads, n_ctx=args.ctx))
+    # render every prompt with edgespec, then free the model before the native runs (kept, with
+    # the drafter, when edgespec runs beside them)
+    if args.edgespec_auto:
+        engine = load(target, drafter, n_ctx=args.ctx, threads=args.threads)
+    else:
+        engine = Engine(open_backend(target, threads=args.threads, n_ctx=args.ctx))
     try:
         chat = engine.target.metadata("tokenizer.chat_template") is not None
         prompts = {t.id: render(engine, t, chat) for t in selected}
     finally:
-        engine.close()
+        if not args.edgespec_auto:
+            engine.close()
     bad = [tid for tid, p in prompts.items() if not p[3]]
     if bad:
         print(f"warning: native prompt tokens differ from edgespec's for {', '.join(bad)}", file=sys.stderr)
@@ -191,43 +234,29 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
+    flags_of = {n: native_flags(args, target, drafter, n) for n in n_maxes}
+    for n_max, flags in flags_of.items():
+        commands[str(n_max)] = shlex.join([str(binary), *flags, "-f", "PROMPT", "-n", "MAX_TOKENS-1"])
+    # task by task, every config of a task back to back: machine drift moves a task's runs together
     with tempfile.TemporaryDirectory(prefix="edgespec-anchor-") as tmp:
-        for n_max in n_maxes:
-            flags = native_flags(args, target, drafter, n_max)
-            commands[str(n_max)] = shlex.join([str(binary), *flags, "-f", "PROMPT", "-n", "MAX_TOKENS-1"])
-            for rep in range(args.repeats):
-                for task in selected:
-                    text, ids, native_text, same = prompts[task.id]
-                    pfile = Path(tmp) / f"{task.id}.txt"
-                    # -f drops one trailing newline: add one so the prompt arrives unchanged
-                    pfile.write_text(native_text + "\n", encoding="utf-8")
-                    # the native loop stops once it has produced MORE than -n tokens: -n max-1 gives max
-                    cmd = [str(binary), *flags, "-f", str(pfile), "-n", str(task.max_tokens - 1)]
-                    t0 = time.perf_counter()
-                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          timeout=args.timeout, check=False)
-                    wall = time.perf_counter() - t0
-                    out = proc.stdout.decode("utf-8", "replace")
-                    if log_dir:
-                        (log_dir / f"{task.id}.n{n_max}.r{rep}.log").write_text(out, encoding="utf-8")
-                    if proc.returncode != 0:
-                        print(out[-3000:], file=sys.stderr)
-                        sys.exit(f"{BIN_NAME} exited {proc.returncode} on {task.id} (n_max {n_max})")
-                    r = parse_output(out)
-                    row = dict(task=task.id, category=task.category, drafter=args.drafter, n_max=n_max,
-                               repeat=rep, tok_per_s=r["tok_per_s"], n_drafted=r["n_drafted"],
-                               n_accepted=r["n_accepted"], n_tokens=r["n_tokens"], max_tokens=task.max_tokens,
-                               acceptance=r["n_accepted"] / r["n_drafted"] if r["n_drafted"] else None,
-                               decode_s=r["decode_s"], native_tok_per_s=r["native_tok_per_s"],
-                               n_prompt=r["n_prompt"], n_prompt_edgespec=len(ids), prompt_s=r["prompt_s"],
-                               prompt_tokens_match=same and r["n_prompt"] == len(ids), wall_s=wall,
-                               text=generated_text(out, native_text))
-                    rows.append(row)
-                    acc = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"
-                    print(f"{task.id:<22} n_max={n_max:<2} {row['n_tokens']:>4} tok  {row['tok_per_s']:7.1f} tok/s  "
-                          f"drafted {row['n_drafted']:>4}  accepted {row['n_accepted']:>4} ({acc})", flush=True)
+        for rep in range(args.repeats):
+            for task in selected:
+                for n_max in n_maxes:
+                    rows.append(run_native(args, binary, flags_of[n_max], task, n_max, rep, prompts[task.id],
+                                           Path(tmp), log_dir))
+                if args.edgespec_auto:
+                    gen, st = _one(engine, task, dict(max_tokens=task.max_tokens, temperature=0.0, num_draft="auto"),
+                                   chat, speculative=True)
+                    rows.append(dict(task=task.id, category=task.category, drafter=args.drafter, n_max="auto",
+                                     loop="edgespec", repeat=rep, tok_per_s=st.tok_per_s, n_tokens=st.n_tokens,
+                                     n_drafted=sum(c[0] for c in st.cycles), n_accepted=sum(c[1] for c in st.cycles),
+                                     max_tokens=task.max_tokens, text=gen.text))
+                    print(f"{task.id:<22} edgespec auto {st.n_tokens:>4} tok  {st.tok_per_s:7.1f} tok/s", flush=True)
+    if args.edgespec_auto:
+        engine.close()
 
     meta = dict(binary=str(binary), target=target, drafter=drafter, n_max=n_maxes, threads=args.threads,
+                edgespec_auto=args.edgespec_auto,
                 ctx=args.ctx, ngram_n=args.ngram_n if drafter == "ngram" else None,
                 native_defaults=args.native_defaults, chat_template=chat, repeats=args.repeats,
                 tasks=[t.id for t in selected], commands=commands,
