@@ -113,6 +113,12 @@ def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str, m
     assert cfg4 == cfg3 and not cfg4.has_confidence
 
 
+def test_gguf_refuses_an_unknown_markov_type(tmp_path: Path, vocab_source: Path):  # noqa: F811
+    cfg, t = _dspark()
+    with pytest.raises(ValueError, match="markov_type must be one of f32, f16, q8_0 .got 'q4_0'."):
+        write_dflash_gguf(tmp_path / "x.gguf", cfg, t, vocab_source=vocab_source, markov_type="q4_0")
+
+
 def test_gguf_refuses_sample_from_anchor(tmp_path: Path, vocab_source: Path):  # noqa: F811
     cfg, t = _dspark()
     for extra in ({"dflash.sample_from_anchor": True}, None):

@@ -21,10 +21,11 @@ DSpark (``edgespec.heads.dspark``) adds ``markov_w1.weight`` (ne {R, V}), ``mark
 BOOL keys ``dflash.sample_from_anchor`` (llama.cpp's default when absent is true; edgespec writes
 false, the bonus-anchor layout, and refuses true) and ``dflash.has_confidence_head``. ``markov_w2``
 and the confidence head are written F32 whatever the weight type, and ``markov_w1`` (a row per
-target token: 262k × R on Gemma-3) in ``markov_type``: Q8_0 by default (F16 if R is not a multiple of
-32), F32 in an F32 file. llama.cpp's in-graph Markov bias then matches the host's to float rounding, which the libllama
-drafter relies on: ``ggml_get_rows`` dequantizes the rows it picks exactly as ``gguf.quants``
-dequantizes them for the host, and the product with the F32 ``markov_w2`` keeps F32 activations.
+target token: 262k × R on Gemma-3) in ``markov_type``: Q8_0 by default (F16 if R is not a multiple
+of 32), F32 in an F32 file. llama.cpp's in-graph Markov bias then matches the host's to float
+rounding, which the libllama drafter relies on: ``ggml_get_rows`` dequantizes the rows it picks
+exactly as ``gguf.quants`` dequantizes them for the host, and the product with the F32
+``markov_w2`` keeps F32 activations.
 
 The reader refuses files using parts ``edgespec.heads.dflash`` does not implement (DFlash2
 conv/selector keys, DSV4 hyper-connections, sliding windows, M-RoPE sections, non-SiLU activations)
@@ -41,7 +42,7 @@ import numpy.typing as npt
 
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dspark import MARKOV_TENSORS, MARKOV_W1
-from edgespec.heads.gguf_io import finish_head_file, read_gguf, start_head_file
+from edgespec.heads.gguf_io import WEIGHT_TYPES, finish_head_file, read_gguf, start_head_file
 
 # fc reads the raw fused target features, whose outlier dimensions exceed float16's range on real
 # targets (Gemma-3-270M: |x| up to ~1e5); ggml's CPU matmul converts the activations to the weight's
@@ -93,6 +94,8 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
         w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
         w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
     markov_type = markov_type or ("f32" if weight_type == "f32" else "q8_0")
+    if markov_type not in WEIGHT_TYPES:
+        raise ValueError(f"markov_type must be one of {', '.join(WEIGHT_TYPES)} (got {markov_type!r})")
     types = dict.fromkeys(F32_TENSORS, "f32") | {MARKOV_W1: markov_type}
     finish_head_file(w, tok, tensors, weight_type, extra_kv, types=types)
     return Path(path)
