@@ -95,7 +95,7 @@ heads: models
 	$(BIN)/edgespec train-head --target gemma3 --out models/gemma3-270m-dspark.gguf --base models/gemma3-270m-dflash.gguf --max-steps 800 --corpus-chars 60000 $(DSPARK_ARGS)
 
 lint: install
-	$(BIN)/ruff check edgespec tests
+	$(BIN)/ruff check edgespec tests bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
