@@ -80,12 +80,13 @@ def replay(g: Generation, t: Sequence[float], policy: Policy | Scheduler) -> tup
     truth = g.output + ([-1] if g.eos else [])  # -1: the end-of-text token, never drafted
     kv, pending, done, cost, cycles = g.prompt[:-1], g.prompt[-1], 0, 0.0, []
     sched, drafter = (policy, NgramDrafter()) if isinstance(policy, Scheduler) else (None, None)
+    rng = np.random.default_rng(0)  # unused by the n-gram drafter; the Drafter protocol takes one
     if sched:
         sched.new_generation(len(g.prompt))
     while done < len(truth):
         most = max(0, min(K_MAX - 1, g.max_tokens - done - 1))
         if sched:
-            d = sched.draft(drafter, kv + [pending], most, GREEDY, np.random.default_rng(0))[0] if most else Draft([])
+            d = sched.draft(drafter, kv + [pending], most, GREEDY, rng)[0] if most else Draft([])
             x = d.tokens[:most]
         else:
             x = policy(kv + [pending], most)

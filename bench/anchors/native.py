@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                    chat, speculative=True)
                     rows.append(dict(task=task.id, category=task.category, drafter=args.drafter, n_max="auto",
                                      loop="edgespec", repeat=rep, tok_per_s=st.tok_per_s, n_tokens=st.n_tokens,
-                                     n_drafted=sum(c[0] for c in st.cycles), n_accepted=sum(c[1] for c in st.cycles),
+                                     n_drafted=st.n_drafted, n_accepted=st.n_accepted,
                                      max_tokens=task.max_tokens, text=gen.text))
                     print(f"{task.id:<22} edgespec auto {st.n_tokens:>4} tok  {st.tok_per_s:7.1f} tok/s", flush=True)
     if args.edgespec_auto:
