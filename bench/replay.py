@@ -3,17 +3,22 @@
 Each bench task is generated once, greedy and plain, through the target. Every policy is then
 replayed over that output: the n-gram drafter drafts from the true context, verification accepts
 the longest prefix equal to the output (exactly what greedy verification does), and a cycle that
-verifies γ drafts costs T(γ+1) from the target's cost profile (n-gram drafting is free). Policies:
+verifies γ drafts costs T(γ+1) from the target's cost profile (n-gram drafting is free), plus the
+attention each verified token pays for the tokens cached before it: the profile times forwards
+after 64 cached tokens, and llama.cpp's CPU flash attention adds a cost per query token and cached
+token (measured at start, `--ctx-us`) that batching does not share. Policies:
 
-- auto: the real `Scheduler`, given the profile's costs and the replayed cycles' modeled times;
+- auto: the real `Scheduler`, given the profile's costs (and the context cost, as the engine's)
+  and the replayed cycles' modeled times;
 - k=N: a fixed γ (edgespec's n-gram drafter, n-gram sizes 4 down to 2);
 - native-N: llama.cpp's ngram-simple as `llama-speculative-simple` runs it (one 3-gram lookup,
   drafts only with at least 3 tokens to copy, then up to N);
 - oracle: the best γ for every cycle knowing the output (a dynamic program over positions), the
   ceiling of this drafter at these costs.
 
-Speedup = tokens · T(1) / Σ T(γ+1). It is a model: measured speedups are lower by the overheads the
-profile does not see (RESULTS.md), but policies compare without the machine's noise.
+Speedup = Σ T(1, context) over the tokens / Σ T(γ+1, context) over the cycles, with
+T(k, c) = T(k) + k · ctx_us · (c − 64). It is a model without the machine's noise, so policies
+compare exactly; `--ctx-us 0` drops the context term (T(k) as profiled).
 
     .venv/bin/python bench/replay.py --target smollm2 --per-category 10 --max-tokens 96
 """
@@ -33,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from edgespec.bench.profile import CONTEXT_TOKENS as PROFILE_CONTEXT  # noqa: E402
 from edgespec.drafters.base import Draft  # noqa: E402
 from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
@@ -40,6 +46,22 @@ from edgespec.scheduler import K_MAX, CostModel, Scheduler  # noqa: E402
 
 GREEDY = SamplingParams()
 Policy = Callable[[list[int], int], list[int]]  # (context, most drafts allowed) -> draft
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """T(k, c): ms of a k-token forward after c cached tokens, from the profile's T(k) (index 0
+    unused) and the attention cost per query token and cached token, which batching does not share."""
+
+    t: Sequence[float]
+    ctx_ms: float = 0.0  # ms per query token per cached token
+
+    def __call__(self, k: int, context: int) -> float:
+        return self.t[k] + k * self.ctx_ms * max(0, context - PROFILE_CONTEXT)
+
+    def plain(self, context: int, n: int) -> float:
+        """ms for plain decoding to emit n tokens after `context` cached ones."""
+        return sum(self(1, context + i) for i in range(n))
 
 
 @dataclasses.dataclass
@@ -74,9 +96,11 @@ def native(n_max: int, n: int = 3) -> Policy:
     return draft
 
 
-def replay(g: Generation, t: Sequence[float], policy: Policy | Scheduler) -> tuple[float, list[tuple[int, int]]]:
+def replay(g: Generation, t: Sequence[float] | Costs, policy: Policy | Scheduler) -> tuple[float, list[tuple[int, int]]]:
     """Modeled speedup of one policy over one generation, and its (γ, accepted) cycles. A Scheduler
-    keeps what it learned from one generation to the next, as the engine's does."""
+    keeps what it learned from one generation to the next, as the engine's does (its prior is the
+    profile; it observes the modeled times)."""
+    c = t if isinstance(t, Costs) else Costs(t)
     truth = g.output + ([-1] if g.eos else [])  # -1: the end-of-text token, never drafted
     kv, pending, done, cost, cycles = g.prompt[:-1], g.prompt[-1], 0, 0.0, []
     sched, drafter = (policy, NgramDrafter()) if isinstance(policy, Scheduler) else (None, None)
@@ -94,18 +118,20 @@ def replay(g: Generation, t: Sequence[float], policy: Policy | Scheduler) -> tup
         while n < len(x) and done + n < len(truth) and x[n] == truth[done + n]:
             n += 1
         emitted = truth[done: done + n + 1]
-        cost += t[len(x) + 1]
+        ms = c(len(x) + 1, len(kv))
+        cost += ms
         if sched:
-            sched.observe(d, n, 0.0, t[len(x) + 1] / 1000)
+            sched.observe(d, n, 0.0, ms / 1000, len(kv))
             sched.emitted(emitted)
         kv += [pending, *x[:n]]
         pending, done = emitted[-1], done + len(emitted)
         cycles.append((len(x), n))
-    return min(len(g.output), g.max_tokens) * t[1] / cost, cycles
+    return c.plain(len(g.prompt) - 1, min(len(g.output), g.max_tokens)) / cost, cycles
 
 
-def oracle(g: Generation, t: Sequence[float]) -> float:
+def oracle(g: Generation, t: Sequence[float] | Costs) -> float:
     """The best modeled speedup with the n-gram drafter if every γ were chosen knowing the output."""
+    c = t if isinstance(t, Costs) else Costs(t)
     truth = g.output + ([-1] if g.eos else [])
     drafter, N = NgramDrafter(), len(truth)
     offers = []  # per position: (draft length on offer, how many of it are right)
@@ -115,12 +141,12 @@ def oracle(g: Generation, t: Sequence[float]) -> float:
         while right < len(d) and p + right < N and d[right] == truth[p + right]:
             right += 1
         offers.append((len(d), right))
-    best = [0.0] * (N + 1)  # best[p]: least cost to emit truth[p:]
+    best, kv0 = [0.0] * (N + 1), len(g.prompt) - 1  # best[p]: least cost to emit truth[p:]
     for p in range(N - 1, -1, -1):
         n_draft, right = offers[p]
-        best[p] = min(t[gam + 1] + best[min(N, p + min(gam, right) + 1)]
+        best[p] = min(c(gam + 1, kv0 + p) + best[min(N, p + min(gam, right) + 1)]
                       for gam in range(min(n_draft, g.max_tokens - p - 1, K_MAX - 1) + 1))
-    return min(len(g.output), g.max_tokens) * t[1] / best[0]
+    return c.plain(kv0, min(len(g.output), g.max_tokens)) / best[0]
 
 
 def costs(t_forward_ms: dict[int, float]) -> list[float]:
@@ -128,7 +154,10 @@ def costs(t_forward_ms: dict[int, float]) -> list[float]:
     return list(CostModel(t_forward_ms).prior)
 
 
-def generations(target: str, per_category: int, max_tokens: int | None) -> tuple[list[Generation], dict]:
+def generations(target: str, per_category: int, max_tokens: int | None,
+                measure_context: bool = True) -> tuple[list[Generation], dict, float]:
+    """Plain greedy outputs of the first `per_category` tasks of each category, the target's
+    profile T(k), and (measure_context) its attention cost per query and cached token (else 0)."""
     from edgespec.api import load
     from edgespec.bench.tasks import load_tasks
 
@@ -151,8 +180,15 @@ def generations(target: str, per_category: int, max_tokens: int | None) -> tuple
         out.append(Generation(task.id, task.category, ids, gen.tokens, budget, gen.finish_reason == "eos"))
         print(f"{task.id}: {len(gen.tokens)} tokens", file=sys.stderr)
     t_forward = dict(engine._t_forward)
+    if measure_context:  # what the engine's scheduler uses too (cached in the profile), timed carefully
+        from edgespec.bench.profile import context_cost
+
+        print("timing what each cached token costs ...", file=sys.stderr)
+        ctx_ms = context_cost(engine.target, engine._exact, far=768, repeats=9, refresh=True)
+    else:
+        ctx_ms = 0.0
     engine.close()
-    return out, t_forward
+    return out, t_forward, ctx_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,18 +197,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-category", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("-k", type=int, action="append", help="fixed γ to replay (repeatable; default 4, 8, 12)")
+    ap.add_argument("--ctx-us", type=float, help="attention cost in µs per query token and cached token "
+                    "(default: measured; 0: T(k) as profiled, whatever the context)")
     args = ap.parse_args(argv)
-    gens, t_forward = generations(args.target, args.per_category, args.max_tokens)
+    gens, t_forward, ctx_ms = generations(args.target, args.per_category, args.max_tokens,
+                                          measure_context=args.ctx_us is None)
     t = costs(t_forward)
+    c = Costs(t, ctx_ms if args.ctx_us is None else args.ctx_us / 1000)
     ks = args.k or [4, 8, 12]
     print("T(k)/T(1), k = 1..16:", " ".join(f"{x / t[1]:.2f}" for x in t[1:]))
     k = max(range(1, K_MAX + 1), key=lambda k: k / t[k])
-    print(f"ceiling, every cycle {k - 1} right drafts: {k}·T(1)/T({k}) = {k * t[1] / t[k]:.2f}\n")
-    policies: dict[str, Policy | Scheduler] = {"auto": Scheduler(CostModel(t_forward))}
+    print(f"ceiling, every cycle {k - 1} right drafts: {k}·T(1)/T({k}) = {k * t[1] / t[k]:.2f}")
+    ctx = statistics.median(len(g.prompt) + len(g.output) // 2 for g in gens)
+    print(f"attention: {c.ctx_ms * 1000:.2f} µs per query token and cached token; at the median context of "
+          f"{ctx:.0f} tokens T(1) = {c(1, ctx):.1f} ms, T(16) = {c(16, ctx):.1f} ms ({c(16, ctx) / c(1, ctx):.2f}·T(1))\n")
+    policies: dict[str, Policy | Scheduler] = {
+        "auto": Scheduler(CostModel(t_forward, ctx_ms=c.ctx_ms, base_context=PROFILE_CONTEXT))}
     policies |= {f"k={k}": fixed(k) for k in ks} | {f"native-{k}": native(k) for k in ks}
     cats = sorted({g.category for g in gens})
-    rows = {name: [replay(g, t, p)[0] for g in gens] for name, p in policies.items()}
-    rows["oracle"] = [oracle(g, t) for g in gens]
+    rows = {name: [replay(g, c, p)[0] for g in gens] for name, p in policies.items()}
+    rows["oracle"] = [oracle(g, c) for g in gens]
     print("| policy | " + " | ".join(cats) + " | all |")
     print("|---" * (len(cats) + 2) + "|")
     for name, speedups in rows.items():

@@ -1,5 +1,10 @@
 """The scheduler's cost model: T_verify(k) for the target, T_draft(γ) = fixed + γ·per_token for the
-drafter (fixed > 0: a block drafter, one forward for all rows), both following the cycles timed."""
+drafter (fixed > 0: a block drafter, one forward for all rows), both following the cycles timed.
+
+Verification grows with the context: every verified token attends to every cached one, and a batch
+does not share that work (llama.cpp's CPU flash attention), so T(k, c) = T(k) + k·ctx_ms·(c − c₀),
+with T(k) the time after c₀ cached tokens (the profile's context). On SmolLM2 here ctx_ms is about
+5 µs: after 1000 tokens T(16) is ~11·T(1) instead of 8."""
 
 from __future__ import annotations
 
@@ -37,15 +42,20 @@ class CostModel:
     Drafts are timed per length γ (a robust value each) and T_draft(γ) = fixed + γ·per_token is a
     weighted least-squares line through them (one length seen: the prior, scaled to it).
 
+    Timings are kept as if taken after `base_context` cached tokens (the context term is taken off
+    each observation and put back for the context asked about).
+
     Args:
-        t_forward_ms: the target's profile, {k: ms of a k-token forward}.
+        t_forward_ms: the target's profile, {k: ms of a k-token forward after base_context tokens}.
         draft_per_token_ms, draft_fixed_ms: the drafter's prior (DraftCost).
         block: the drafter computes every row of a block before any confidence is known, so a
             confidence cut saves verification only, never drafting.
+        ctx_ms: ms each verified token pays per cached token beyond base_context (0: none).
     """
 
     def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0,
-                 draft_fixed_ms: float = 0.0, block: bool = False) -> None:
+                 draft_fixed_ms: float = 0.0, block: bool = False, ctx_ms: float = 0.0,
+                 base_context: int = 64) -> None:
         ks = sorted(t_forward_ms)
         self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
                               else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
@@ -54,6 +64,7 @@ class CostModel:
         self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block)
         self.draft_at = [RobustTime() for _ in range(K_MAX)]  # [γ]: ms of drafting γ tokens
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
+        self.ctx_ms, self.base_context = ctx_ms, base_context
         self._verify: list[float] | None = None
         self._draft = self._line(draft_fixed_ms, draft_per_token_ms)
 
@@ -62,13 +73,16 @@ class CostModel:
         return self.draft_prior.block
 
     @classmethod
-    def for_drafter(cls, t_forward_ms: dict[int, float], prior: DraftCost | None) -> CostModel:
-        """A cost model with the drafter's measured prior (None: free, like an n-gram drafter)."""
+    def for_drafter(cls, t_forward_ms: dict[int, float], prior: DraftCost | None, **context) -> CostModel:
+        """A cost model with the drafter's measured prior (None: free, like an n-gram drafter);
+        `context`: ctx_ms and base_context."""
         if prior is None:
-            return cls(t_forward_ms)
-        return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block)
+            return cls(t_forward_ms, **context)
+        return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block, **context)
 
-    def observe_verify(self, k: int, ms: float) -> None:
+    def observe_verify(self, k: int, ms: float, context: int | None = None) -> None:
+        """A k-token verification took ms after `context` cached tokens (None: base_context)."""
+        ms = max(ms - self._attention(k, context), 0.05 * ms)
         self.verify[k].add(ms)
         self.scale.add(ms / self.prior[k])
         self._verify = None
@@ -107,12 +121,18 @@ class CostModel:
         """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token)."""
         return n * (self.catch_up.value if self.catch_up.n else self._draft[1] / 4)
 
-    def t_verify(self) -> list[float]:
-        """[k] = expected ms of a k-token verification (index 0 unused)."""
+    def t_verify(self, context: int | None = None) -> list[float]:
+        """[k] = expected ms of a k-token verification after `context` cached tokens (None:
+        base_context; index 0 unused)."""
         if self._verify is None:
             scale = self.scale.value if self.scale.n else 1.0
             self._verify = [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
-        return self._verify
+        if not self.ctx_ms or context is None or context <= self.base_context:
+            return self._verify
+        return [t + self._attention(k, context) for k, t in enumerate(self._verify)]
+
+    def _attention(self, k: int, context: int | None) -> float:
+        return 0.0 if context is None else k * self.ctx_ms * max(0, context - self.base_context)
 
     def t_draft(self) -> list[float]:
         """[γ] = expected ms to draft γ tokens (0 for γ = 0)."""

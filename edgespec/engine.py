@@ -56,6 +56,7 @@ class Engine:
         self.last_stats: Stats | None = None
         self._kv: list[int] = []
         self._t_forward: dict[int, float] | None = None  # the target's T(k) prior for the scheduler
+        self._ctx_ms = 0.0  # what each cached token adds to each verified token's time (ms)
         self._exact: int | None = None  # most tokens one verification forward may take (see exact_batch)
         self._draft_cost: dict[object, DraftCost | None] = {}  # the scheduler's draft-cost prior, per drafter
         self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
@@ -160,13 +161,15 @@ class Engine:
         return text, not (bos and text.startswith(bos))
 
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
-        """Load (or time in ≤ 2 s, and cache) the cost profiles that num_draft="auto" starts from.
-        Runs by itself at the first auto generation; call it to choose when. `note` hears of timing."""
-        from edgespec.bench.profile import calibrate
+        """Load (or time, and cache per model) the cost profiles that num_draft="auto" starts from:
+        T(k) in ≤ 2 s, what each cached token adds in ~2–3 s. Runs by itself at the first auto
+        generation; call it to choose when. `note` hears of timing."""
+        from edgespec.bench.profile import calibrate, context_cost
 
         self._measure_exact_batch(note)
         if self._t_forward is None:
             self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
+            self._ctx_ms = context_cost(self.target, chunk=self._exact, note=note)
             self.reset()
         if self.drafter is None or self.drafter in self._draft_cost:
             return
@@ -213,9 +216,12 @@ class Engine:
         it keeps what it learned across generations."""
         key = (self.drafter, params.greedy)
         if key not in self._schedulers:
+            from edgespec.bench.profile import CONTEXT_TOKENS
+
             self.calibrate()
             assert self._t_forward is not None
-            cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter))
+            cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter),
+                                         ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS)
             self._schedulers[key] = Scheduler(cost)
         return self._schedulers[key]
 
@@ -283,7 +289,7 @@ class Engine:
                stats: Stats, sched: Scheduler | None) -> tuple[list[int], int]:
         """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
         Returns (emitted tokens, drafts accepted)."""
-        t0 = time.perf_counter()
+        t0, n_cached = time.perf_counter(), len(self._kv)
         draft, plan = Draft([]), None
         if sched is not None and gamma > 0:
             draft, plan = sched.draft(self.drafter, self._kv + [pending], gamma, params, rng)
@@ -300,7 +306,7 @@ class Engine:
         self.target.truncate(len(self._kv))  # roll back the rejected drafts
         t3 = time.perf_counter()
         if sched is not None:
-            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1)
+            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1, n_cached)
             sched.emitted([*x[:n], token], rows)
         stats.record_cycle(len(x), n, t3 - t0, plan)
         stats.t_draft += t1 - t0

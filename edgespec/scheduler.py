@@ -7,7 +7,8 @@ Each cycle takes the γ (0 = a plain step) with the most expected tokens per sec
 where S_i, the chance that drafts 1..i are all accepted, is the product of per-position conditional
 acceptance rates learned online, or of the drafter's calibrated confidences for tokens already
 drafted (DSpark's survival product). Costs (edgespec.costs) start from the cost profile and the
-drafter's prior and follow the cycles actually timed; T_draft(γ) = fixed + γ·per_token, and a block
+drafter's prior, follow the cycles actually timed and grow with the context (attention is not
+shared by a batch); T_draft(γ) = fixed + γ·per_token, and a block
 drafter (DFlash: one forward for every row) has paid for all rows before its confidences are known,
 so its confidence cut shortens verification only. When no γ > 0 wins, plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
@@ -131,6 +132,7 @@ class Scheduler:
     _backoff: float = 1.0  # each failed probe doubles the wait for the next
     _probing: bool = False
     _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
+    _context: int | None = None  # tokens in the target's cache at the latest draft() call
 
     @property
     def acceptance(self) -> Acceptance:
@@ -148,7 +150,8 @@ class Scheduler:
         """Draft for one cycle; at most `limit` (< K_MAX) tokens are kept."""
         t0 = time.perf_counter()
         limit = min(limit, K_MAX - 1)
-        t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify()
+        self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
+        t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
         gamma, _ = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
                               t_draft, t_verify)
@@ -193,11 +196,13 @@ class Scheduler:
         seconds += time.perf_counter() - t1
         return d, Decision(g, tokens, t_draft[self._drafted] + t_verify[g + 1], probe, seconds)
 
-    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float) -> None:
-        """Learn from a verified cycle (times in seconds)."""
+    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
+                context: int | None = None) -> None:
+        """Learn from a verified cycle (times in seconds) that began with `context` tokens in the
+        target's cache (None: as the latest `draft()` call saw)."""
         g = len(draft.tokens)
         free = self.free
-        self.cost.observe_verify(g + 1, t_verify * 1000)
+        self.cost.observe_verify(g + 1, t_verify * 1000, self._context if context is None else context)
         if g:  # the cost of what was drafted (a block: every row computed), however much was verified
             self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included

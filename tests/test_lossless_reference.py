@@ -32,7 +32,8 @@ def fixed_costs(monkeypatch):
 
     monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {
         k: 0.05 if tuple(ks) == (1,) else 1 + 0.1 * (k - 1) for k in ks})
-    monkeypatch.setattr(CostModel, "observe_verify", lambda self, k, ms: None)
+    monkeypatch.setattr(profile, "context_cost", lambda backend, **kw: 0.0)
+    monkeypatch.setattr(CostModel, "observe_verify", lambda self, *args: None)
     monkeypatch.setattr(CostModel, "observe_draft", lambda self, *args: None)
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edgespec.backends.reference import ReferenceBackend
-from edgespec.bench.profile import CostProfile, cache_path, expected_tau, time_forward
+from edgespec.bench.profile import CostProfile, cache_path, context_cost, expected_tau, time_forward
 
 
 def test_time_forward_covers_every_k_and_leaves_the_cache_empty():
@@ -17,6 +17,30 @@ def test_time_forward_covers_every_k_and_leaves_the_cache_empty():
     assert sorted(t) == [1, 2, 4, 8] and all(v > 0 for v in t.values())
     assert backend.n_past == 0
     assert backend.n_evals == 2 + 3 * 4  # context + warm-up, then every k in every repeat
+
+
+class _Attending(ReferenceBackend):
+    """A reference model whose forwards take `us` µs per token per cached token (plus a base)."""
+
+    def __init__(self, us: float, step_s: float = 0.0) -> None:
+        super().__init__(8, n_ctx=1024)
+        self.us, self.step_s = us, step_s
+
+    def eval(self, tokens, rows="last"):
+        import time
+
+        time.sleep(self.step_s + 0.0005 + len(tokens) * self.n_past * self.us * 1e-6)
+        return super().eval(tokens, rows)
+
+
+def test_context_cost_measures_what_each_cached_token_adds():
+    backend = _Attending(us=5.0)  # T(16) after 64 tokens: 5.6 ms; after 320: 26.1 ms
+    ms = context_cost(backend, far=256, repeats=3)
+    assert ms == pytest.approx(0.005, rel=0.3)
+    assert backend.n_past == 0
+    assert context_cost(_Attending(us=0.0), far=256, repeats=3) == pytest.approx(0.0, abs=0.0003)
+    # a backend too slow for a brief timing (MLX on a small CPU): no context term rather than a wait
+    assert context_cost(_Attending(us=2.0, step_s=0.03), far=256, repeats=3) == 0.0
 
 
 def test_expected_tau_truncates_cycles_of_a_longer_draft():
@@ -55,6 +79,7 @@ def test_profile_command_on_smollm2(monkeypatch, tmp_path, smollm2_path):
     assert len(files) == 1
     data = json.loads(files[0].read_text())
     assert sorted(int(k) for k in data["t_forward_ms"]) == [1, 2, 3, 4]
+    assert data["context_ms"] is not None and "each cached token adds" in result.output
     again = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # second run reads T(k) from the cache
     assert again.exit_code == 0 and "from the cache" in again.output
 

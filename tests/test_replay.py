@@ -56,3 +56,21 @@ def test_auto_plain_on_unpredictable_text_and_near_the_oracle_on_a_copy():
     speed, cycles = replay.replay(_copy_task(), T, sched)
     assert replay.oracle(_copy_task(), T) >= speed > 2.0
     assert all(n == g for g, n in cycles)  # every verified draft was right
+
+
+def test_context_cost_by_hand():
+    # 100 filler tokens before the copy task: every forward pays a per query token and cached token
+    filler = list(range(1000, 1100))
+    g = replay.Generation("copy", "c", filler + HEAD + OUT + [9] + HEAD, OUT, max_tokens=40)
+    c = replay.Costs(T, ctx_ms=0.01)
+    kv0 = len(g.prompt) - 1
+    assert c(5, kv0) == pytest.approx(T[5] + 5 * 0.01 * (kv0 - replay.PROFILE_CONTEXT))
+    assert c(3, 10) == T[3]  # no credit below the profile's own context
+    speed, cycles = replay.replay(g, c, replay.fixed(4))
+    assert cycles == [(4, 4)] * 8
+    plain = sum(T[1] + 0.01 * (kv0 + j - replay.PROFILE_CONTEXT) for j in range(40))
+    spec = sum(T[5] + 5 * 0.01 * (kv0 + 5 * i - replay.PROFILE_CONTEXT) for i in range(8))
+    assert speed == pytest.approx(plain / spec)
+    # attention is not shared by a batch, so context lowers every speedup, the oracle's included
+    assert speed < replay.replay(g, T, replay.fixed(4))[0]
+    assert replay.oracle(g, c) < replay.oracle(g, T)

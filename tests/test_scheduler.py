@@ -74,6 +74,38 @@ def test_cost_model_scales_unmeasured_k_with_the_machine():
     assert cost.t_verify()[4] == pytest.approx(60.0, rel=0.05)
 
 
+def test_cost_model_adds_attention_for_the_context():
+    # T(k) after 64 cached tokens, plus 0.01 ms per verified token per cached token beyond 64
+    cost = CostModel({1: 10.0, 2: 12.0, 4: 16.0}, ctx_ms=0.01, base_context=64)
+    assert cost.t_verify(10) == cost.t_verify()  # below the profile's context: no credit
+    assert cost.t_verify(1064)[4] == pytest.approx(16.0 + 4 * 0.01 * 1000)
+    for _ in range(10):  # timed after 1064 tokens: 56 ms is the prior's 16 plus attention
+        cost.observe_verify(4, 56.0, context=1064)
+    assert cost.t_verify()[4] == pytest.approx(16.0)
+    assert cost.scale.value == pytest.approx(1.0)  # so the machine did not slow down
+    assert cost.t_verify(2064)[1] == pytest.approx(10.0 + 1 * 0.01 * 2000)
+    assert cost.t_verify(2064)[4] == pytest.approx(16.0 + 4 * 0.01 * 2000)
+
+
+def test_a_long_context_shortens_the_best_draft():
+    # T(k) = 1 + 0.1(k−1) after 64 tokens, α = 0.9, E(γ) = (1 − 0.9^{γ+1}) / 0.1:
+    # after 64 tokens, rate = E / (1 + 0.1γ): γ=9 6.513/1.9 = 3.428, γ=10 6.862/2.0 = 3.431,
+    #   γ=11 7.176/2.1 = 3.417 → γ* = 10
+    # after 1064 tokens each verified token adds 0.001·1000 = 1 ms: rate = E / (2 + 1.1γ):
+    #   γ=2 2.710/4.2 = 0.645, γ=3 3.439/5.3 = 0.649, γ=4 4.095/6.4 = 0.640 → γ* = 3
+    t = _linear(1.0, 0.1)
+    cost = CostModel({k: t[k] for k in range(1, K_MAX + 1)}, ctx_ms=0.001, base_context=64)
+    assert best_gamma(_const(0.9, 15), [0.0] * K_MAX, cost.t_verify(64))[0] == 10
+    assert best_gamma(_const(0.9, 15), [0.0] * K_MAX, cost.t_verify(1064))[0] == 3
+    # the scheduler plans with the context it is given (its cache: all but the pending token)
+    sched = Scheduler(cost)
+    sched.by_run = [Acceptance(prior=0.9, strength=1e9) for _ in range(6)]  # α = 0.9 everywhere
+    sched.run, sched._recent = 100, 1.0  # a long run of right drafts: no slow start, no recent cap
+    short = sched.draft(_ScriptedDrafter(token=0), [1] * 65, K_MAX - 1, GREEDY, np.random.default_rng(0))
+    long = sched.draft(_ScriptedDrafter(token=0), [1] * 1065, K_MAX - 1, GREEDY, np.random.default_rng(0))
+    assert short[1].gamma == 10 and long[1].gamma == 3
+
+
 class _ScriptedDrafter:
     """Drafts `n` fixed tokens with the given confidences, honouring the stop rule."""
 

@@ -22,6 +22,7 @@ import numpy as np
 from edgespec.backends.base import Backend
 
 CONTEXT_TOKENS = 64  # tokens in the cache while timing: a short prompt's worth
+CONTEXT_FAR = 256  # more cached tokens for timing what each one adds (context_cost)
 SLOW_STEP_S = 0.02  # a first step slower than this (MLX on a small CPU): calibrate with 8 cached tokens
 
 
@@ -37,6 +38,7 @@ class CostProfile:
     draft_fixed_ms: float = 0.0  # per cycle (e.g. syncing the draft model's cache)
     draft_per_token_ms: float = 0.0
     exact_batch: int | None = None  # largest k whose k-token forward gives bit-identical logits to k single steps
+    context_ms: float | None = None  # ms a verified token pays per cached token beyond CONTEXT_TOKENS
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
 
     def t_verify(self, k: int) -> float:
@@ -118,6 +120,50 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     t = {**(prof.t_forward_ms if prof else {}), **t}
     save_profile(path, backend, t_forward_ms=t)
     return t
+
+
+def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_FAR, repeats: int = 4,
+                 note: Callable[[str], None] | None = None, refresh: bool = False) -> float:
+    """ms each token of a forward pays per cached token beyond CONTEXT_TOKENS (attention: a batch
+    does not share it), cached in the profile. T(16) is timed `repeats` times after CONTEXT_TOKENS
+    cached tokens, after `far` more, and after CONTEXT_TOKENS again (medians; one prefill of the
+    far tokens, the dearest part: ~1 s for 256 tokens of SmolLM2 here). 0 for a backend too slow
+    to time it briefly (the scheduler then follows the cycles' timings alone)."""
+    path = profile_path(backend)
+    prof = load_profile(path)
+    if prof is not None and prof.context_ms is not None and not refresh:
+        return prof.context_ms
+    k, n0 = 16, CONTEXT_TOKENS
+    far = min(far, backend.n_ctx - n0 - k)
+    base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + far + k)]
+    backend.truncate(0)
+    t0 = time.perf_counter()
+    backend.eval([1], rows="last")
+    if time.perf_counter() - t0 > SLOW_STEP_S or far < 64:
+        backend.truncate(0)
+        return 0.0
+    if note:
+        note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")
+
+    def forward(at: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, k, chunk or k):
+            backend.eval(base[at + i:at + min(k, i + (chunk or k))], rows="all")
+        backend.truncate(at)
+        return (time.perf_counter() - t0) * 1000
+
+    backend.truncate(0)
+    backend.eval(base[:n0], rows="none")
+    forward(n0)  # warm-up
+    near = [forward(n0) for _ in range(repeats)]
+    backend.eval(base[n0:n0 + far], rows="none")
+    farther = statistics.median(forward(n0 + far) for _ in range(repeats))
+    backend.truncate(n0)  # timed again after: drift brackets the far timings
+    near = statistics.median(near + [forward(n0) for _ in range(repeats)])
+    backend.truncate(0)
+    ms = max(0.0, (farther - near) / (k * far))
+    save_profile(path, backend, context_ms=ms)
+    return ms
 
 
 def exact_batch(backend: Backend, k_max: int = 16, note: Callable[[str], None] | None = None) -> int:

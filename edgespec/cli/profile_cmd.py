@@ -30,6 +30,7 @@ def profile(
     from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench.profile import (
+        context_cost,
         expected_tau,
         ideal_speedup_at,
         load_profile,
@@ -55,9 +56,15 @@ def profile(
         with ui.progress(f"timing T(1..{max_k})", repeats) as advance:
             t = time_forward(target, ks, repeats, progress=lambda done, _: advance(done))
         save_profile(cached, target, t_forward_ms=t)  # keeps the other fields (exact_batch)
+        prof = None
+    if prof is None or prof.context_ms is None:
+        ui.status("timing what each cached token adds: T(16) after 64 and after 832 cached tokens")
+        context_cost(target, far=768, repeats=max(3, repeats), refresh=True)
         prof = load_profile(cached)
         assert prof is not None
         ui.status(f"saved {cached}")
+    ui.status(f"each cached token adds {1000 * (prof.context_ms or 0.0):.2f} µs to every verified token "
+              "(attention; the scheduler adds it to T(k) for the context at hand)")
     if drafter not in ("none", "ngram") and is_feature_head(drafter):
         # T(k) above is the plain target's; a head drafts from features, so acceptance runs on a
         # target that captures them
