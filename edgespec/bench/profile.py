@@ -137,10 +137,13 @@ def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_
     far = min(far, backend.n_ctx - n0 - k)
     base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + far + k)]
     backend.truncate(0)
-    t0 = time.perf_counter()
-    backend.eval([1], rows="last")
-    if time.perf_counter() - t0 > SLOW_STEP_S or far < 64:
-        backend.truncate(0)
+    step = []
+    for i in range(3):  # the quickest of three: one step slowed by another process does not count
+        t0 = time.perf_counter()
+        backend.eval([1 + i], rows="last")
+        step.append(time.perf_counter() - t0)
+    backend.truncate(0)
+    if min(step) > SLOW_STEP_S or far < 64:
         return 0.0
     if note:
         note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")
