@@ -31,19 +31,20 @@ def test_process_matches_hand_computation():
     assert process(logits, SamplingParams()).tolist() == [1, 0, 0, 0, 0]
 
 
-def test_top_p_probe_is_exact_on_large_vocab():
-    rng = np.random.default_rng(0)
-    for scale in (0.5, 3.0, 8.0):  # flat (falls back to full sort) to peaked (probe suffices)
-        logits = rng.normal(0, scale, 20000)
-        params = SamplingParams(temperature=0.9, top_p=0.9)
-        p = process(logits, params)
-        z = np.exp((logits - logits.max()) / 0.9)
-        z /= z.sum()
-        order = np.argsort(-z, kind="stable")
-        n = int(np.searchsorted(np.cumsum(z[order]), 0.9)) + 1
-        ref = np.zeros_like(z)
-        ref[order[:n]] = z[order[:n]]
-        np.testing.assert_allclose(p, ref / ref.sum(), rtol=1e-12, atol=1e-15)
+@pytest.mark.parametrize("n_vocab, scale, temperature", [
+    (20000, 0.5, 0.9), (20000, 3.0, 0.9), (20000, 8.0, 0.9),  # flat (full sort) to peaked (probe of 512)
+    (262144, 3.0, 0.7), (262144, 2.0, 0.7),  # Gemma-sized: nuclei of ~700 and ~15000 (probes of 8192, 131072)
+])
+def test_top_p_probe_is_exact_on_large_vocab(n_vocab, scale, temperature):
+    logits = np.random.default_rng(0).normal(0, scale, n_vocab)
+    p = process(logits, SamplingParams(temperature=temperature, top_p=0.9))
+    z = np.exp((logits - logits.max()) / temperature)
+    z /= z.sum()
+    order = np.argsort(-z, kind="stable")
+    n = int(np.searchsorted(np.cumsum(z[order]), 0.9)) + 1
+    ref = np.zeros_like(z)
+    ref[order[:n]] = z[order[:n]]
+    np.testing.assert_allclose(p, ref / ref.sum(), rtol=1e-12, atol=1e-15)
 
 
 def test_sample_never_draws_zero_probability():
