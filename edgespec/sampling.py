@@ -91,9 +91,9 @@ def process(logits: npt.NDArray[np.floating], params: SamplingParams) -> npt.NDA
 def _nucleus_order(pk: npt.NDArray[np.float64], top_p: float,
                    key: npt.NDArray[np.floating] | None = None) -> npt.NDArray[np.intp]:
     """Indices of pk by descending probability, long enough to contain the top-p nucleus: the
-    most likely _NUCLEUS_PROBE, 16× as many, … until they hold top_p (a flat row of Gemma's 262k
-    vocabulary took 38 ms to sort whole, ~5 ms this way). `key` (the raw logits, in pk's order)
-    makes the cuts cheaper when given."""
+    most likely _NUCLEUS_PROBE, 16× as many, … until they hold top_p. A flat row of Gemma's 262k
+    vocabulary took 38 ms to sort whole; this way 10 ms for a nucleus of ~1500 tokens, 25 ms for
+    ~11000. `key` (the raw logits, in pk's order) makes the cuts cheaper when given."""
     n, m = pk.shape[0], _NUCLEUS_PROBE
     k = key if key is not None else pk
     while m < n:
