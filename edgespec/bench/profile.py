@@ -23,7 +23,7 @@ from edgespec.backends.base import Backend
 
 CONTEXT_TOKENS = 64  # tokens in the cache while timing: a short prompt's worth
 CONTEXT_FAR = 256  # more cached tokens for timing what each one adds (context_cost)
-SLOW_STEP_S = 0.02  # a first step slower than this (MLX on a small CPU): calibrate with 8 cached tokens
+SLOW_STEP_S = 0.02  # single steps slower than this (MLX on a small CPU): calibrate with 8 cached tokens
 
 
 @dataclass
@@ -105,11 +105,7 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
         return prof.t_forward_ms
     if note:
         note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
-    backend.truncate(0)
-    t0 = time.perf_counter()
-    backend.eval([1], rows="last")
-    slow = time.perf_counter() - t0 > SLOW_STEP_S  # a short context keeps the prefill affordable
-    context = 8 if slow else CONTEXT_TOKENS
+    context = 8 if _slow(backend) else CONTEXT_TOKENS  # a short context keeps the prefill affordable
     once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk, context=context)
     cost = np.interp(ks, [ks[0], ks[-1]], [once[ks[0]], once[ks[-1]]]) / 1000  # T(k) is about linear in k
     if cost.sum() <= budget_s:
@@ -135,34 +131,19 @@ def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_
         return prof.context_ms
     k, n0 = 16, CONTEXT_TOKENS
     far = min(far, backend.n_ctx - n0 - k)
-    base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + far + k)]
-    backend.truncate(0)
-    step = []
-    for i in range(3):  # the quickest of three: one step slowed by another process does not count
-        t0 = time.perf_counter()
-        backend.eval([1 + i], rows="last")
-        step.append(time.perf_counter() - t0)
-    backend.truncate(0)
-    if min(step) > SLOW_STEP_S or far < 64:
+    if far < 64 or _slow(backend):
         return 0.0
     if note:
         note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")
-
-    def forward(at: int) -> float:
-        t0 = time.perf_counter()
-        for i in range(0, k, chunk or k):
-            backend.eval(base[at + i:at + min(k, i + (chunk or k))], rows="all")
-        backend.truncate(at)
-        return (time.perf_counter() - t0) * 1000
-
+    base = _timing_tokens(backend, n0 + far + k)
     backend.truncate(0)
     backend.eval(base[:n0], rows="none")
-    forward(n0)  # warm-up
-    near = [forward(n0) for _ in range(repeats)]
+    _forward_ms(backend, base, n0, k, chunk)  # warm-up
+    near = [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)]
     backend.eval(base[n0:n0 + far], rows="none")
-    farther = statistics.median(forward(n0 + far) for _ in range(repeats))
+    farther = statistics.median(_forward_ms(backend, base, n0 + far, k, chunk) for _ in range(repeats))
     backend.truncate(n0)  # timed again after: drift brackets the far timings
-    near = statistics.median(near + [forward(n0) for _ in range(repeats)])
+    near = statistics.median(near + [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)])
     backend.truncate(0)
     ms = max(0.0, (farther - near) / (k * far))
     save_profile(path, backend, context_ms=ms)
@@ -220,7 +201,7 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     """Median ms of a k-token forward (all k logit rows) after `context` cached tokens, in
     forwards of at most `chunk` tokens."""
     n0 = max(1, min(context, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
-    base = [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n0 + max(ks))]
+    base = _timing_tokens(backend, n0 + max(ks))
     backend.truncate(0)
     backend.eval(base[:n0], rows="none")
     backend.eval(base[n0:n0 + 1], rows="all")  # warm-up
@@ -228,15 +209,40 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     times: dict[int, list[float]] = {k: [] for k in ks}
     for r in range(repeats):
         for k in (ks if r % 2 == 0 else list(reversed(ks))):
-            t0 = time.perf_counter()
-            for i in range(0, k, chunk or k):
-                backend.eval(base[n0 + i:n0 + min(k, i + (chunk or k))], rows="all")
-            times[k].append((time.perf_counter() - t0) * 1000)
-            backend.truncate(n0)
+            times[k].append(_forward_ms(backend, base, n0, k, chunk))
         if progress:
             progress(r + 1, repeats)
     backend.truncate(0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _timing_tokens(backend: Backend, n: int) -> list[int]:
+    """n ordinary token ids to time forwards with (the same sequence every time)."""
+    return [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n)]
+
+
+def _forward_ms(backend: Backend, tokens: Sequence[int], at: int, k: int, chunk: int | None) -> float:
+    """ms of a k-token forward (all rows) of tokens[at:at+k] after `at` cached ones, in forwards of
+    at most `chunk` tokens; the cache is cut back to `at` afterwards."""
+    t0 = time.perf_counter()
+    for i in range(0, k, chunk or k):
+        backend.eval(tokens[at + i:at + min(k, i + (chunk or k))], rows="all")
+    ms = (time.perf_counter() - t0) * 1000
+    backend.truncate(at)
+    return ms
+
+
+def _slow(backend: Backend) -> bool:
+    """Whether a single step takes over SLOW_STEP_S (MLX on a small CPU): the quickest of three,
+    so that one step slowed by another process does not count. Leaves the cache empty."""
+    backend.truncate(0)
+    step = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        backend.eval([1 + i], rows="last")
+        step.append(time.perf_counter() - t0)
+    backend.truncate(0)
+    return min(step) > SLOW_STEP_S
 
 
 def ideal_speedup_at(t_forward_ms: dict[int, float], t_draft: Callable[[int], float],
