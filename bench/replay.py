@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from edgespec.bench.profile import CONTEXT_TOKENS as PROFILE_CONTEXT  # noqa: E402
+from edgespec.calibration import CONTEXT_TOKENS as PROFILE_CONTEXT  # noqa: E402
 from edgespec.drafters.base import Draft  # noqa: E402
 from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
@@ -179,12 +179,14 @@ def generations(target: str, per_category: int, max_tokens: int | None,
         gen = engine.generate(ids, max_tokens=budget, temperature=0.0, speculative=False)
         out.append(Generation(task.id, task.category, ids, gen.tokens, budget, gen.finish_reason == "eos"))
         print(f"{task.id}: {len(gen.tokens)} tokens", file=sys.stderr)
-    t_forward = dict(engine._t_forward)
+    costs = engine.costs
+    assert costs is not None, 'engine.calibrate() runs before the replays'
+    t_forward = costs.t_forward_ms
     if measure_context:  # what the engine's scheduler uses too (cached in the profile), timed carefully
-        from edgespec.bench.profile import context_cost
+        from edgespec.calibration import context_cost
 
         print("timing what each cached token costs ...", file=sys.stderr)
-        ctx_ms = context_cost(engine.target, engine._exact, far=768, repeats=9, refresh=True)
+        ctx_ms = context_cost(engine.target, costs.exact_batch, far=768, repeats=9, refresh=True)
     else:
         ctx_ms = 0.0
     engine.close()

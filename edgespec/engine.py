@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, DraftCost, Drafter, draft_cost_prior
+from edgespec.drafters.base import Draft, DraftCost, Drafter, common_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.sampling import SamplingParams
 from edgespec.scheduler import K_MAX, CostModel, Scheduler
@@ -33,6 +33,15 @@ class Chunk:
     tokens: list[int]
     from_draft: list[bool]  # per token: True if it was a draft token the target accepted
     finish_reason: str | None = None  # set on the last chunk: "eos", "length", "stop", "cancelled"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The target's measured costs the scheduler starts from (see `Engine.calibrate`)."""
+
+    t_forward_ms: dict[int, float]  # k -> ms of a k-token forward after CONTEXT_TOKENS cached tokens
+    ctx_ms: float  # ms each verified token pays per cached token beyond that
+    exact_batch: int | None  # most tokens one verification forward may take and stay exact
 
 
 @dataclass
@@ -113,21 +122,21 @@ class Engine:
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
-        if gamma != 0:
-            self._measure_exact_batch()
-        sched = self._scheduler(params) if gamma == "auto" else None
-        ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
-               else [int(t) for t in prompt])
-        if not ids:
-            raise EdgespecError("the prompt is empty")
-        if len(ids) >= self.target.n_ctx:
-            raise ContextOverflowError(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.target.n_ctx} tokens "
-                f"(use a shorter prompt or a larger context: n_ctx / --ctx)")
-        if not self._busy.acquire(blocking=False):
-            raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
-        self._cancel.clear()
+        # the lock comes before anything that touches the target: calibration resets its KV cache
+        self._lock()
         try:
+            if gamma != 0:
+                self._measure_exact_batch()
+            sched = self._scheduler(params) if gamma == "auto" else None
+            ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
+                   else [int(t) for t in prompt])
+            if not ids:
+                raise EdgespecError("the prompt is empty")
+            if len(ids) >= self.target.n_ctx:
+                raise ContextOverflowError(
+                    f"prompt of {len(ids)} tokens does not fit the context of {self.target.n_ctx} tokens "
+                    f"(use a shorter prompt or a larger context: n_ctx / --ctx)")
+            self._cancel.clear()
             yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
         finally:
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
@@ -162,26 +171,21 @@ class Engine:
 
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
         """Load (or time, and cache per model) the cost profiles that num_draft="auto" starts from:
-        T(k) in ≤ 2 s, what each cached token adds in ~2–3 s. Runs by itself at the first auto
-        generation; call it to choose when. `note` hears of timing."""
-        from edgespec.bench.profile import calibrate, context_cost
+        T(k) in ≤ 2 s, what each cached token adds in ~2–3 s, the drafter's `cost_prior()`. Runs by
+        itself at the first auto generation; call it to choose when. `note` hears of timing.
+        Refused while the engine is generating (timing uses the target's KV cache)."""
+        self._lock()
+        try:
+            self._calibrate(note)
+        finally:
+            self._busy.release()
 
-        self._measure_exact_batch(note)
+    @property
+    def costs(self) -> Costs | None:
+        """What calibration measured (None before it ran): T(k), the context term, the exact batch."""
         if self._t_forward is None:
-            self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
-            self._ctx_ms = context_cost(self.target, chunk=self._exact, note=note)
-            self.reset()
-        if self.drafter is None or self.drafter in self._draft_cost:
-            return
-        model = getattr(self.drafter, "model", None)  # a draft model pays about its T(1) per token
-        if model is not None:
-            t1 = calibrate(model, ks=(1,), budget_s=0.5, note=note)[1]
-            self._draft_cost[self.drafter] = DraftCost(0.0, t1)
-            reset = getattr(self.drafter, "reset", None)
-            if reset is not None:
-                reset()  # timing used the draft model's KV cache
-        else:  # a feature head times its chain step or its block; an n-gram drafter is free (None)
-            self._draft_cost[self.drafter] = draft_cost_prior(self.drafter)
+            return None
+        return Costs(dict(self._t_forward), self._ctx_ms, self._exact)
 
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""
@@ -203,10 +207,26 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _lock(self) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
+
+    def _calibrate(self, note: Callable[[str], None] | None = None) -> None:
+        from edgespec.calibration import calibrate, context_cost
+
+        self._measure_exact_batch(note)
+        if self._t_forward is None:
+            self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
+            self._ctx_ms = context_cost(self.target, chunk=self._exact, note=note)
+            self.reset()
+        if self.drafter is not None and self.drafter not in self._draft_cost:
+            # a draft model times its own T(1), a feature head its chain step or block; n-gram is free (None)
+            self._draft_cost[self.drafter] = self.drafter.cost_prior(note=note)
+
     def _measure_exact_batch(self, note: Callable[[str], None] | None = None) -> None:
         """How many tokens one verification forward may take (cached per model after the first time)."""
         if self._exact is None:
-            from edgespec.bench.profile import exact_batch
+            from edgespec.calibration import exact_batch
 
             self._exact = exact_batch(self.target, note=note)
             self.reset()  # measuring used the target's KV cache
@@ -216,9 +236,9 @@ class Engine:
         it keeps what it learned across generations."""
         key = (self.drafter, params.greedy)
         if key not in self._schedulers:
-            from edgespec.bench.profile import CONTEXT_TOKENS
+            from edgespec.calibration import CONTEXT_TOKENS
 
-            self.calibrate()
+            self._calibrate()
             assert self._t_forward is not None
             cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter),
                                          ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS)
@@ -272,11 +292,7 @@ class Engine:
 
     def _prefill(self, ids: list[int], stats: Stats) -> int:
         """Evaluate all prompt tokens but the last, reusing the cached common prefix."""
-        n_keep = 0
-        for a, b in zip(self._kv, ids[:-1]):
-            if a != b:
-                break
-            n_keep += 1
+        n_keep = common_prefix(self._kv, ids[:-1])
         self._kv = self._kv[:n_keep]
         self.target.truncate(n_keep)
         if len(ids) - 1 > n_keep:
@@ -319,7 +335,7 @@ class Engine:
         """All logit rows for `tokens`, in forwards no longer than the target evaluates exactly as
         single steps (plain decoding's view); usually one forward. A target exact only below
         MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule speculation out, and
-        its deviations are near-ties (README: known limits)."""
+        its deviations are near-ties (docs/known-limits.md)."""
         n = self._exact if self._exact and self._exact >= MIN_CHUNK else len(tokens)
         if len(tokens) <= n:
             return self.target.eval(tokens, rows="all")

@@ -17,8 +17,10 @@ import numpy.typing as npt
 
 from edgespec.backends.llama_features import LlamaFeatureBackend
 from edgespec.backends.reference import ReferenceFeatureBackend
-from edgespec.heads.eagle3 import BLK, Eagle3Config, Eagle3Head, rms_norm
-from edgespec.heads.gguf_io import read_gguf, write_eagle3_gguf
+from edgespec.gguf_file import read_gguf
+from edgespec.heads.eagle3 import BLK, Eagle3Config, Eagle3Head
+from edgespec.heads.gguf_io import write_eagle3_gguf
+from edgespec.heads.numpy_ops import rms_norm
 
 
 def _token_passing_decoder(n_embd: int, n_ff: int, c: float) -> dict[str, npt.NDArray[np.float32]]:

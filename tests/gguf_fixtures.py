@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.gguf_io import read_gguf
+from edgespec.gguf_file import add_fields, read_gguf
 
 TOKENIZER_PREFIX = "tokenizer."
 
@@ -196,18 +196,11 @@ def dequantize_gguf(src: str | Path, dst: str | Path) -> Path:
     """A copy of `src` with every tensor dequantized to F32 (same metadata): the very weights of a
     quantized model, evaluated by llama.cpp without its quantized kernels (which round activations
     to 8 bits) — the reference for cross-backend parity."""
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = f.types[0]
-        writer.add_key_value(name, f.contents(), vtype,
-                             sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, x.reshape(tuple(int(d) for d in reversed(t.shape))))
+    f = read_gguf(src)
+    writer = gguf.GGUFWriter(dst, f.value("general.architecture"))
+    add_fields(writer, {k: v for k, v in f.kv.items() if k not in ("general.architecture", "general.file_type")})
+    for name in f.tensors:
+        writer.add_tensor(name, f.tensor(name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

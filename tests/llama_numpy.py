@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.eagle3 import attention, rms_norm, rope_norm, silu
-from edgespec.heads.gguf_io import read_gguf
+from edgespec.gguf_file import read_gguf
+from edgespec.heads.numpy_ops import attention, rms_norm, rope_norm, silu
 
 F32 = npt.NDArray[np.float32]
 

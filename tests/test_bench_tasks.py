@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -108,3 +112,34 @@ def test_missing_and_empty_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(EdgespecError, match="task suite is not at .*gone") as info:
         load_tasks()
     assert "\n" not in str(info.value)
+
+
+_INSTALLED_SUITE = """
+import collections, json, edgespec.bench.tasks as t
+tasks = t.load_tasks()
+print(json.dumps({"file": t.__file__, "counts": collections.Counter(x.category for x in tasks)}))
+"""
+
+
+# ~5 s here (a wheel build without build isolation), so not marked slow.
+def test_suite_loads_from_an_installed_wheel(tmp_path: Path) -> None:
+    """The suite is package data: a wheel installed away from the checkout loads every category."""
+    repo, src = Path(__file__).resolve().parents[1], tmp_path / "src"
+    # Built from a copy: an in-tree build would write build/ and *.egg-info into the checkout.
+    shutil.copytree(repo / "edgespec", src / "edgespec", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, src / name)
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--quiet"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+                   check=True, cwd=tmp_path, env={**os.environ, "PIP_NO_INDEX": "1"})
+    (wheel,) = wheels.glob("edgespec-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                   check=True, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", _INSTALLED_SUITE], check=True, cwd=tmp_path, env=env,
+                         capture_output=True, text=True).stdout
+    got = json.loads(out)
+    assert Path(got["file"]).is_relative_to(site)  # the installed copy, not the checkout
+    assert set(got["counts"]) == set(CATEGORIES)
+    assert got["counts"] == Counter(t.category for t in load_tasks())

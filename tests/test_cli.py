@@ -60,6 +60,23 @@ def test_help_without_llama_cpp(args: list[str]) -> None:
         assert "'edgespec[mlx]'" in proc.stdout  # the extra's name survives rich markup
 
 
+@pytest.mark.parametrize(("args", "commands"), [
+    ([], ("generate", "chat", "demo", "profile", "bench", "convert", "train-head", "models")),
+    (["models"], ("fetch", "list")),
+])
+def test_help_lists_one_line_per_command(args: list[str], commands: tuple[str, ...]) -> None:
+    """Each command's summary fits one line of an 80-column `--help`; its details are in its own --help."""
+    result = runner.invoke(cli.app, [*args, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    panel = result.output.split("Commands")[1].split("╰")[0].splitlines()[1:]
+    rows = [ln.strip("│ ").split()[0] for ln in panel]
+    assert rows == list(commands), panel  # a wrapped summary would add a row with no command name
+    for name in commands:
+        summary = next(ln for ln in panel if ln.strip("│ ").split()[0] == name).strip("│ ")[len(name):].strip()
+        own = runner.invoke(cli.app, [*args, name, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+        assert own.exit_code == 0 and summary in own.output, own.output
+
+
 def test_missing_llama_cpp_is_a_one_line_error(tmp_path: Path) -> None:
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + bytes(64))

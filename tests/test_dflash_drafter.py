@@ -16,10 +16,9 @@ from gguf_fixtures import build_tiny_llama
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 import edgespec
-from edgespec.api import make_drafter, open_backend
 from edgespec.backends.reference import ReferenceFeatureBackend
-from edgespec.drafters.dflash import DFlashDrafter, is_dflash_head, open_dflash_drafter, open_dflash_target
-from edgespec.drafters.feature_heads import head_arch
+from edgespec.drafters.dflash import DFlashDrafter
+from edgespec.drafters.registry import head_arch, open_backend, open_drafter, open_target
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
@@ -202,7 +201,7 @@ def test_greedy_spec_equals_plain_with_a_random_head(tiny_dflash, gamma):
     from edgespec.heads.dflash_llama import LlamaDFlashHead
 
     target, head = tiny_dflash
-    assert is_dflash_head(head) and head_arch(target) == "llama" and not is_dflash_head("ngram")
+    assert head_arch(head) == "dflash" and head_arch(target) == "llama" and head_arch("ngram") is None
     with edgespec.load(target, drafter=head, n_ctx=512, threads=1, num_draft=gamma) as engine:
         assert isinstance(engine.drafter, DFlashDrafter) and isinstance(engine.drafter.head, LlamaDFlashHead)
         assert engine.target.feature_layers == (1, 3)
@@ -226,9 +225,9 @@ def test_llama_head_cache_after_a_cycle_equals_a_fresh_head_and_numpy(tiny_dflas
     from edgespec.heads.dflash_llama import LlamaDFlashHead
 
     target_path, head = tiny_dflash
-    with open_dflash_target(target_path, head, n_ctx=256, threads=1) as target:
-        drafter = open_dflash_drafter(head, target)
-        ref = open_dflash_drafter(head, target, impl="numpy")
+    with open_target(target_path, head, n_ctx=256, threads=1) as target:
+        drafter = open_drafter(head, target)
+        ref = open_drafter(head, target, impl="numpy")
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")
         d = drafter.draft(ctx, 3, GREEDY, np.random.default_rng(0))
@@ -263,13 +262,13 @@ def test_a_head_for_another_target_is_refused(tiny_dflash, tiny_target, tmp_path
         edgespec.load(tiny_target, drafter=head)
     with open_backend(target, n_ctx=64, threads=1) as plain:  # bench/profile open plain targets
         with pytest.raises(EdgespecError, match="DFlash head .* needs a target opened with its features"):
-            make_drafter(head, plain)
+            open_drafter(head, plain)
     ref = ReferenceFeatureBackend(6)  # captures layers (1, 2, 3) of hidden size 7, 6 tokens
     cfg = _tiny_head_config(n_embd=7, n_head=1, n_head_kv=1, n_rot=6, target_layers=(1, 2, 3), n_draft_vocab=16)
     other = write_dflash_gguf(tmp_path / "h7.gguf", cfg, random_tensors(cfg), vocab_source=smollm2_path,
                               weight_type="f32")
     with pytest.raises(VocabMismatchError, match=r"vocabulary of 49152 tokens, but target .* has 6"):
-        make_drafter(other, ref)
+        open_drafter(other, ref)
 
 
 @pytest.mark.real

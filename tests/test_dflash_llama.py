@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from edgespec.errors import ModelLoadError
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
 from edgespec.heads.dflash_gguf import read_dflash_gguf, write_dflash_gguf
 from edgespec.heads.dflash_llama import LlamaDFlashHead
-from edgespec.heads.gguf_io import read_gguf
 
 pytestmark = pytest.mark.real
 

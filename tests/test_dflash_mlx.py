@@ -20,8 +20,9 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed: pip install '
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
 import edgespec  # noqa: E402
-from edgespec.drafters.dflash import DFlashDrafter, open_dflash_drafter, open_dflash_target  # noqa: E402
+from edgespec.drafters.dflash import DFlashDrafter  # noqa: E402
 from edgespec.drafters.dspark import DSparkDrafter  # noqa: E402
+from edgespec.drafters.registry import open_drafter, open_target  # noqa: E402
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors  # noqa: E402
 from edgespec.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from edgespec.heads.dflash_mlx import MlxDFlashHead  # noqa: E402
@@ -173,9 +174,9 @@ def test_greedy_spec_equals_plain_with_a_head_on_mlx(tiny_heads, kind):
 def test_mlx_head_drafts_what_the_numpy_head_drafts_on_mlx(tiny_heads, kind):
     """Both impls on one MLX target (the MLX head borrowing the target's MLX weights, the numpy head
     its GGUF's), synced through a partly rejected cycle: the same block logits and drafts."""
-    with open_dflash_target(tiny_heads["target"], tiny_heads[kind], "mlx", n_ctx=256, threads=1) as target:
-        a = open_dflash_drafter(tiny_heads[kind], target)
-        b = open_dflash_drafter(tiny_heads[kind], target, impl="numpy")
+    with open_target(tiny_heads["target"], tiny_heads[kind], "mlx", n_ctx=256, threads=1) as target:
+        a = open_drafter(tiny_heads[kind], target)
+        b = open_drafter(tiny_heads[kind], target, impl="numpy")
         assert isinstance(a.head, MlxDFlashHead) and isinstance(b.head, DFlashHead)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")

@@ -3,11 +3,13 @@ and the DFlash drafter's prior (timed on a fake clock)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from edgespec.costs import K_MAX, CostModel
-from edgespec.drafters.base import DraftCost, draft_cost_prior
+from edgespec.drafters.base import DraftCost
 from edgespec.scheduler import best_gamma
 
 
@@ -89,16 +91,16 @@ def test_dflash_prior_is_a_fixed_block_cost(monkeypatch):
 
     clock = [0.0]
     monkeypatch.setattr(dflash.time, "perf_counter", lambda: clock[0])
-    drafter = dflash.DFlashDrafter(_FakeBlockHead(clock), target=None)
+    drafter = dflash.DFlashDrafter(_FakeBlockHead(clock), target=SimpleNamespace(n_ctx=4096))
     # blocks of 1 + 1 and 15 + 1 tokens: 5.5 and 9 ms → 0.25 ms per row, 5.5 − 0.25 = 5.25 fixed
-    assert draft_cost_prior(drafter) == DraftCost(pytest.approx(5.25), pytest.approx(0.25), block=True)
+    assert drafter.cost_prior() == DraftCost(pytest.approx(5.25), pytest.approx(0.25), block=True)
     assert drafter.measure_ms_per_token() == pytest.approx((5.0 + 0.25 * 5) / 4)  # the old prior
 
 
-def test_chain_drafters_prior_is_per_token():
-    class Chain:
-        def measure_ms_per_token(self) -> float:
-            return 3.0
+def test_chain_drafters_prior_is_per_token(monkeypatch):
+    from edgespec.drafters.eagle import EagleDrafter
+    from edgespec.drafters.ngram import NgramDrafter
 
-    assert draft_cost_prior(Chain()) == DraftCost(0.0, 3.0, block=False)
-    assert draft_cost_prior(object()) is None  # an n-gram drafter: free
+    monkeypatch.setattr(EagleDrafter, "measure_ms_per_token", lambda self: 3.0)
+    assert EagleDrafter(head=None, target=None).cost_prior() == DraftCost(0.0, 3.0, block=False)
+    assert NgramDrafter().cost_prior() is None  # an n-gram drafter: free

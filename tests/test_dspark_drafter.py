@@ -17,8 +17,8 @@ from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 import edgespec
 from edgespec.backends.reference import ReferenceFeatureBackend
-from edgespec.drafters.dflash import open_dflash_drafter, open_dflash_target
 from edgespec.drafters.dspark import DSparkDrafter
+from edgespec.drafters.registry import open_drafter, open_target
 from edgespec.engine import Engine
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
 from edgespec.heads.dflash_gguf import write_dflash_gguf
@@ -129,8 +129,8 @@ def test_llama_dspark_drafts_equal_numpy(tiny_dspark):
     from edgespec.heads.dflash_llama import LlamaDFlashHead
 
     target_path, head = tiny_dspark
-    with open_dflash_target(target_path, head, n_ctx=256, threads=1) as target:
-        ref = open_dflash_drafter(head, target, impl="numpy")
+    with open_target(target_path, head, n_ctx=256, threads=1) as target:
+        ref = open_drafter(head, target, impl="numpy")
         assert isinstance(ref, DSparkDrafter) and ref.name == "dspark"
         llama = DSparkDrafter(LlamaDFlashHead(head, target, threads=1, kv_type="f32", flash_attn=False,
                                               markov=ref.markov), target, ref.markov)

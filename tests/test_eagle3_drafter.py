@@ -18,9 +18,9 @@ from test_lossless_reference import PROMPTS, _empirical, _exact_marginals, fixed
 from typer.testing import CliRunner
 
 import edgespec
-from edgespec.api import make_drafter, open_backend
 from edgespec.backends.reference import ReferenceFeatureBackend
-from edgespec.drafters.eagle import EagleDrafter, open_eagle3_drafter, open_eagle3_target
+from edgespec.drafters.eagle import EagleDrafter
+from edgespec.drafters.registry import open_backend, open_drafter, open_target
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
@@ -233,8 +233,8 @@ def test_llama_head_cache_after_a_cycle_equals_a_fresh_head(tiny_pair, accept):
     from edgespec.heads.eagle3_llama import LlamaEagle3Head
 
     target_path, head = tiny_pair
-    with open_eagle3_target(target_path, head, n_ctx=256, threads=1) as target:
-        drafter = open_eagle3_drafter(head, target)
+    with open_target(target_path, head, n_ctx=256, threads=1) as target:
+        drafter = open_drafter(head, target)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")
         d = drafter.draft(ctx, 3, GREEDY, np.random.default_rng(0))
@@ -314,4 +314,4 @@ def test_a_head_for_another_target_is_refused(smollm2_head, tiny_pair, tiny_targ
         edgespec.load(tiny_target, drafter=head)
     with open_backend(target, n_ctx=64, threads=1) as plain:  # bench/profile open plain targets
         with pytest.raises(EdgespecError, match="needs a target opened with its features"):
-            make_drafter(head, plain)
+            open_drafter(head, plain)

@@ -138,6 +138,15 @@ def test_rows_follow_positions_after_rollback(tiny8: Path, method: str):
         np.testing.assert_allclose(got, b.features(), rtol=0, atol=1e-4)  # measured 1.2e-6
 
 
+def test_llama_feature_backend_is_a_feature_backend_without_native_weights(tiny8: Path):
+    """base.FeatureBackend: a head on llama.cpp borrows weights through ctx_other, so none are lent."""
+    from edgespec.backends.base import FeatureBackend
+
+    with LlamaFeatureBackend(tiny8, n_ctx=64, threads=1) as b:
+        assert isinstance(b, FeatureBackend)
+        assert b.token_embeddings() is None and b.lm_head_weights() is None
+
+
 def test_cb_eval_recovers_from_a_stale_address_memo(tiny8: Path):
     """The callback's node-address memo gone stale (as if a rebuilt graph had moved every node): the
     decode is redone with fresh names and the rows are right; the memo learns the new addresses."""

@@ -9,8 +9,9 @@ import gguf
 import numpy as np
 import pytest
 
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
-from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf, write_eagle3_gguf
+from edgespec.heads.gguf_io import read_eagle3_gguf, write_eagle3_gguf
 
 V, VD, H = 100, 40, 64
 # Names llama.cpp 0.3.36 creates for eagle3 (src/models/eagle3.cpp load_arch_tensors + llama-arch.cpp)
@@ -129,6 +130,7 @@ def test_libllama_loads_what_edgespec_writes(tmp_path: Path, smollm2_path: Path,
     layers read back through llama_model_target_layer_ids); a context for it needs ctx_other (the
     head borrows the target's token embeddings), and with the target's context it is created."""
     from edgespec.backends import llama_cpp as lc
+    from edgespec.backends.deps import import_llama
     from edgespec.backends.llama_features import ext_api
 
     cfg = Eagle3Config(n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_embd_tgt=576, target_layers=(2, 15, 27),
@@ -136,9 +138,9 @@ def test_libllama_loads_what_edgespec_writes(tmp_path: Path, smollm2_path: Path,
     d2t = np.sort(np.random.default_rng(0).choice(49152, 4096, replace=False))
     path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, random_tensors(cfg, d2t=d2t), vocab_source=smollm2_path,
                              weight_type=weight_type)
-    ll = lc._lib()
+    ll = import_llama()
     model = ll.llama_model_load_from_file(str(path).encode(), ll.llama_model_default_params())
-    assert model, lc._diagnose(path)
+    assert model, lc.load_failure_reason(path)
     try:
         assert ext_api().model_target_layers(model) == (2, 15, 27)
         assert ll.llama_model_n_embd(model) == 576 and ll.llama_model_n_layer(model) == 1
@@ -147,7 +149,7 @@ def test_libllama_loads_what_edgespec_writes(tmp_path: Path, smollm2_path: Path,
         cp.n_ctx = 64
         assert not ll.llama_init_from_model(model, cp)  # "eagle3 requires ctx_other to be set"
         with lc.LlamaCppBackend(smollm2_path, n_ctx=64, threads=1) as target:
-            cp.ctx_other = target._ctx
+            cp.ctx_other = target.llama_context
             ctx = ll.llama_init_from_model(model, cp)
             assert ctx
             ll.llama_free(ctx)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgespec.heads.eagle3 import Eagle3Config, Eagle3Head, random_tensors, rms_norm, rope_norm
+from edgespec.heads.eagle3 import Eagle3Config, Eagle3Head, random_tensors
+from edgespec.heads.numpy_ops import rms_norm, rope_norm
 
 V, VD, H = 100, 40, 32
 

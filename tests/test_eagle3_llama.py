@@ -10,9 +10,10 @@ import pytest
 from gguf_fixtures import build_tiny_llama
 
 from edgespec.backends.llama_features import LlamaFeatureBackend
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.eagle3 import Eagle3Config, Eagle3Head, random_tensors
 from edgespec.heads.eagle3_llama import LlamaEagle3Head
-from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf, write_eagle3_gguf
+from edgespec.heads.gguf_io import read_eagle3_gguf, write_eagle3_gguf
 
 pytestmark = pytest.mark.real
 

@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from edgespec.api import make_drafter
 from edgespec.backends.reference import ReferenceBackend
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
+from edgespec.drafters.registry import open_drafter
 from edgespec.engine import Engine
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.sampling import SamplingParams
@@ -169,7 +169,7 @@ def test_ngram_lookup():
 
 @pytest.mark.parametrize("spec, sizes", [("ngram", (4, 2)), ("ngram:5", (5, 2)), ("ngram:3:3", (3, 3))])
 def test_ngram_specs(spec: str, sizes: tuple[int, int]):
-    d = make_drafter(spec, target=None)  # an n-gram drafter needs no target
+    d = open_drafter(spec, target=None)  # an n-gram drafter needs no target
     assert isinstance(d, NgramDrafter) and (d.n_max, d.n_min) == sizes
 
 
@@ -177,7 +177,7 @@ def test_ngram_specs(spec: str, sizes: tuple[int, int]):
                                        ("ngram:2:3", "n_min <= n_max"), ("ngram:-1", "whole numbers")])
 def test_bad_ngram_specs_are_one_line_errors(spec: str, why: str):
     with pytest.raises(EdgespecError, match=f"bad n-gram drafter '{spec}'.*{re.escape(why)}"):
-        make_drafter(spec, target=None)
+        open_drafter(spec, target=None)
 
 
 def test_ngram_index_agrees_with_a_full_scan():
@@ -210,7 +210,7 @@ class _BatchVariant(ReferenceBackend):
 
 
 def test_verification_is_split_where_the_backend_is_not_batch_invariant():
-    from edgespec.bench.profile import exact_batch
+    from edgespec.calibration import exact_batch
 
     target = _BatchVariant(6, seed=5)
     assert exact_batch(target) == 4
@@ -233,3 +233,32 @@ def test_calibrating_a_used_draft_model_keeps_its_drafts_in_sync():
     assert drafter._kv == [] and drafter.model.n_past == 0
     after = engine.generate("abcabcab", max_tokens=40).stats.acceptance_rate
     assert after == before
+
+
+def test_a_second_concurrent_stream_is_refused_before_it_touches_the_cache():
+    """Stream B would measure the exact batch and calibrate, which reset the target's KV cache:
+    it must be refused first, so stream A's output and cache stay intact."""
+    engine = _engine(gamma=3)
+    ref = engine.generate("abcab", max_tokens=30, temperature=0.8, seed=7, speculative=False)
+    engine.reset()
+    a = engine.stream("abcab", max_tokens=30, temperature=0.8, seed=7, speculative=False)
+    first = [next(a), next(a)]
+    kv, evals = list(engine.target._tokens), engine.target.n_evals
+    b = engine.stream("abc", max_tokens=5, num_draft="auto")  # the first auto run: would calibrate
+    with pytest.raises(EdgespecError, match="already generating"):
+        next(b)
+    with pytest.raises(EdgespecError, match="already generating"):
+        engine.calibrate()
+    assert engine.target._tokens == kv and engine.target.n_evals == evals  # untouched
+    rest = [c for c in a]
+    assert [t for c in first + rest for t in c.tokens] == ref.tokens
+    assert _consistent(engine)
+    assert engine.generate("abc", max_tokens=5, num_draft="auto").finish_reason == "length"  # free again
+
+
+def test_costs_are_public_after_calibration():
+    engine = _engine(gamma=3)
+    assert engine.costs is None
+    engine.calibrate()
+    costs = engine.costs
+    assert costs is not None and 1 in costs.t_forward_ms and costs.exact_batch is not None

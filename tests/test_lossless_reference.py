@@ -27,7 +27,7 @@ PROMPTS = ["abcabcab", "aaaa", "fedcba", "abababab", "cafe", "bead", "deadbeef",
 def fixed_costs(monkeypatch):
     """-k auto on the reference backend with known costs (T(k) = 1 + 0.1(k−1) ms, drafts 0.05 ms)
     instead of the microsecond numpy timings, so that the scheduler does speculate."""
-    from edgespec.bench import profile
+    from edgespec import calibration as profile
     from edgespec.scheduler import CostModel
 
     monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {

@@ -99,7 +99,7 @@ def test_gguf_tensor_names():
 
 
 def test_missing_mlx_is_one_line_naming_the_extra(monkeypatch):
-    from edgespec.backends.mlx import import_mlx
+    from edgespec.backends.deps import import_mlx
 
     monkeypatch.setitem(sys.modules, "mlx.core", None)  # `import mlx.core` now raises ImportError
     with pytest.raises(MissingDependencyError, match=r"pip install 'edgespec\[mlx\]'") as err:

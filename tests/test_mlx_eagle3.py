@@ -21,7 +21,8 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edge
 
 import edgespec  # noqa: E402
 from edgespec.backends.mlx_features import MlxFeatureBackend  # noqa: E402
-from edgespec.drafters.eagle import EagleDrafter, open_eagle3_drafter, open_eagle3_target  # noqa: E402
+from edgespec.drafters.eagle import EagleDrafter  # noqa: E402
+from edgespec.drafters.registry import open_drafter, open_target  # noqa: E402
 from edgespec.errors import EdgespecError  # noqa: E402
 from edgespec.heads.eagle3_mlx import MlxEagle3Head  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
@@ -58,8 +59,8 @@ def test_mlx_head_drafts_what_the_numpy_head_drafts(tiny_pair):
     """Both heads on one MLX target (the MLX head borrowing the target's MLX token_embd, the numpy
     head its GGUF's): the same first-position logits and the same greedy chain."""
     target_path, head = tiny_pair
-    with open_eagle3_target(target_path, head, "mlx", n_ctx=256, threads=1) as target:
-        mlx_d, np_d = open_eagle3_drafter(head, target), open_eagle3_drafter(head, target, impl="numpy")
+    with open_target(target_path, head, "mlx", n_ctx=256, threads=1) as target:
+        mlx_d, np_d = open_drafter(head, target), open_drafter(head, target, impl="numpy")
         assert isinstance(mlx_d.head, MlxEagle3Head) and not isinstance(np_d.head, MlxEagle3Head)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")

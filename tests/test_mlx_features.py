@@ -100,9 +100,11 @@ def test_bad_layer_ids_are_refused(tiny8: Path):
 @pytest.mark.real
 def test_token_embeddings_are_the_targets(tiny8: Path):
     """What the MLX head borrows: the target's unscaled token_embd, as the numpy head reads it."""
-    from edgespec.heads.gguf_io import read_gguf
+    from edgespec.backends.base import FeatureBackend
+    from edgespec.gguf_file import read_gguf
 
     with MlxFeatureBackend(tiny8, n_ctx=64) as b:
+        assert isinstance(b, FeatureBackend)
         emb = np.asarray(b.token_embeddings())
     np.testing.assert_array_equal(emb, read_gguf(tiny8).tensor("token_embd.weight"))
 

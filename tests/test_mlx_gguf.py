@@ -13,8 +13,8 @@ pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edges
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
 import edgespec  # noqa: E402
-from edgespec.api import open_backend  # noqa: E402
 from edgespec.cli import app as cli  # noqa: E402
+from edgespec.drafters.registry import open_backend  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("own_mlx_home")]  # the fixtures copy SmolLM2's tokenizer
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n", "1, 2, 3, 4, 5,",

@@ -12,8 +12,8 @@ pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edges
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
 import edgespec  # noqa: E402
-from edgespec.api import open_backend  # noqa: E402
 from edgespec.backends.mlx_convert import TOKENIZER_FILE, convert_gguf  # noqa: E402
+from edgespec.drafters.registry import open_backend  # noqa: E402
 
 pytestmark = pytest.mark.real  # the tokenizer comes from SmolLM2's GGUF
 TEXTS = ["Hello world, this is a test.", "def add(a, b):\n    return a + b\n", "1, 2, 3, 4, 5,"]

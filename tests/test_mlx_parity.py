@@ -9,7 +9,7 @@ Two references:
   top-1 at 1.6% of positions, every one a near-tie. MLX must agree with it as well as llama.cpp agrees
   with itself: max|Δ| within 1.25× of llama.cpp's own quantized-vs-F32 deviation, and top-1 flips
   only where llama.cpp's top-2 gap is below that row's max|Δ|.
-Measured numbers are in the README (MLX backend).
+Measured numbers are in docs/mlx.md ("Parity with llama.cpp").
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edges
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
 import edgespec  # noqa: E402
-from edgespec.api import open_backend  # noqa: E402
 from edgespec.cli.app import DEMO_PROMPT  # noqa: E402
+from edgespec.drafters.registry import open_backend  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 N_POSITIONS = {"smollm2": 512, "gemma3": 640}  # Gemma: past its 512-token sliding window

@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from edgespec.backends.reference import ReferenceBackend
-from edgespec.bench.profile import CostProfile, cache_path, context_cost, expected_tau, time_forward
+from edgespec.bench.profile import expected_tau
+from edgespec.calibration import CostProfile, cache_path, context_cost, time_forward
 
 
 def test_time_forward_covers_every_k_and_leaves_the_cache_empty():

@@ -45,9 +45,9 @@ def status():
 
 import numpy
 import edgespec
-from edgespec.backends.llama_cpp import _lib
+from edgespec.backends.deps import import_llama
 
-ll = _lib()
+ll = import_llama()
 snap = {"baseline": status()}
 init = ll.llama_init_from_model
 

@@ -63,7 +63,8 @@ def test_too_shallow_target_is_a_one_line_error(tmp_path: Path, tiny_target: Pat
 def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     """A 5-layer tiny target: features, d2t, 3 steps, a Q8_0 GGUF with provenance; --resume continues."""
     pytest.importorskip("torch")
-    from edgespec.heads.gguf_io import read_eagle3_gguf, read_gguf
+    from edgespec.gguf_file import read_gguf
+    from edgespec.heads.gguf_io import read_eagle3_gguf
 
     target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
     out = tmp_path / "head.gguf"
@@ -90,9 +91,9 @@ def test_train_head_dflash_then_dspark(tmp_path: Path, smollm2_path: Path) -> No
     --kind dspark on it (same work dir: the feature cache is reused) adds only the Markov and
     confidence tensors."""
     pytest.importorskip("torch")
-    from edgespec.drafters.dflash import is_dflash_head
+    from edgespec.drafters.registry import head_arch
+    from edgespec.gguf_file import read_gguf
     from edgespec.heads.dflash_gguf import read_dflash_gguf
-    from edgespec.heads.gguf_io import read_gguf
 
     target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
     out = tmp_path / "dflash.gguf"
@@ -100,7 +101,7 @@ def test_train_head_dflash_then_dspark(tmp_path: Path, smollm2_path: Path) -> No
               "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w")]
     result = runner.invoke(cli.app, ["train-head", *common, "--out", str(out), "--kind", "dflash"])
     assert result.exit_code == 0, result.output
-    assert is_dflash_head(out)
+    assert head_arch(out) == "dflash"
     cfg, tensors = read_dflash_gguf(out)
     assert cfg.target_layers == (2, 2, 2) and cfg.n_embd == 64 and cfg.n_layer == 1 and cfg.block_size == 8
     assert cfg.n_draft_vocab == 300 and cfg.mask_token_id == 0 and not cfg.causal

@@ -71,8 +71,8 @@ def native_flags(args: argparse.Namespace, target: str, drafter: str, n_max: int
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(min(args.ngram_n, n_max)),
                   "--spec-ngram-simple-size-m", str(n_max), "--spec-ngram-simple-min-hits", "1"]
     else:
-        from edgespec.drafters.feature_heads import head_arch
-        from edgespec.heads.gguf_io import read_gguf
+        from edgespec.drafters.registry import head_arch
+        from edgespec.gguf_file import read_gguf
 
         arch = head_arch(drafter)  # a DFlash file with DSpark's Markov head runs as draft-dspark
         dspark = arch == "dflash" and "markov_w1.weight" in read_gguf(drafter, lambda k: False).tensors
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-max", type=int, action="append", help="draft length γ (repeatable; 0 = plain). Default 4")
     ap.add_argument("--category", action="append", help="only these categories (repeatable)")
     ap.add_argument("--task", action="append", help="only these task ids (repeatable)")
-    ap.add_argument("--tasks", help="a .jsonl file or folder (default: bench/tasks)")
+    ap.add_argument("--tasks", help="a .jsonl file or folder (default: the shipped suite, edgespec/bench/suite)")
     ap.add_argument("--per-category", type=int, default=3, help="tasks per category, as edgespec bench (default 3)")
     ap.add_argument("--max-tokens", type=int, help="cap each task's max_tokens, as edgespec bench")
     ap.add_argument("--repeats", type=int, default=1)
@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
 
-    from edgespec.api import load, open_backend
-    from edgespec.bench.run import _one
+    from edgespec.api import load
+    from edgespec.bench.run import run_one
     from edgespec.bench.tasks import load_tasks
+    from edgespec.drafters.registry import open_backend
     from edgespec.engine import Engine
     from edgespec.models import resolve_model
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(run_native(args, binary, flags_of[n_max], task, n_max, rep, prompts[task.id],
                                            Path(tmp), log_dir))
                 if args.edgespec_auto:
-                    gen, st = _one(engine, task, dict(max_tokens=task.max_tokens, temperature=0.0, num_draft="auto"),
+                    gen, st = run_one(engine, task, dict(max_tokens=task.max_tokens, temperature=0.0, num_draft="auto"),
                                    chat, speculative=True)
                     rows.append(dict(task=task.id, category=task.category, drafter=args.drafter, n_max="auto",
                                      loop="edgespec", repeat=rep, tok_per_s=st.tok_per_s, n_tokens=st.n_tokens,

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+from edgespec.errors import ContextOverflowError
 
 # Which logit rows `eval` returns: none, the last one, or one per evaluated token.
 LogitRows = Literal["none", "last", "all"]
@@ -62,6 +64,62 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class FeatureBackend(Backend, Protocol):
+    """A target that also keeps hidden states at a few layers for every evaluated token (what feature
+    heads read: EAGLE-3, DFlash). llama_features.LlamaFeatureBackend and mlx_features.MlxFeatureBackend."""
+
+    feature_layers: tuple[int, ...]  # target layer ids; a feature = the INPUT of that layer
+    n_embd: int  # the target's hidden size H: a feature row is len(feature_layers) * n_embd wide
+
+    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]:
+        """Features of positions [start, stop) (default: all n_past): (stop - start, len(feature_layers) * n_embd)."""
+        ...
+
+    def token_embeddings(self) -> Any | None:
+        """The target's token embeddings (V, H) in the backend's own array type, or None when the
+        backend holds no weights a head can borrow (then read them from the target's GGUF)."""
+        ...
+
+    def lm_head_weights(self) -> Any | None:
+        """The target's LM head (V, H) in the backend's own array type (the tied embeddings if tied),
+        or None as for ``token_embeddings``."""
+        ...
+
+
+def check_room(n_past: int, n: int, n_ctx: int) -> None:
+    """ContextOverflowError unless `n` more tokens fit after `n_past` in a context of `n_ctx`."""
+    if n_past + n > n_ctx:
+        raise ContextOverflowError(f"{n_past} tokens in context + {n} new exceed the context of {n_ctx} tokens")
+
+
+def join_rows(parts: list[npt.NDArray[np.float32]], n_vocab: int) -> npt.NDArray[np.float32]:
+    """The logit rows of a chunked eval as one (rows, n_vocab) array (no copy for a single chunk)."""
+    if not parts:
+        return np.empty((0, n_vocab), np.float32)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+_C = TypeVar("_C", bound="Closing")
+
+
+class Closing:
+    """``close()`` at garbage collection and at the end of a ``with`` block; close() must be safe to
+    call twice and on a half-built object (an __init__ that raised)."""
+
+    def close(self) -> None:
+        """Free what the object holds (nothing here)."""
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

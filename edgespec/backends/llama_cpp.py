@@ -1,13 +1,12 @@
 """llama.cpp backend on llama-cpp-python's low-level ctypes API (never the high-level `Llama`).
 
 One model, one context, one sequence. Logits are requested only for the rows asked for; rollback
-is `llama_memory_seq_rm`, its bool checked. llama.cpp's log goes to a ring buffer (shown with
-verbose=True, and quoted in load errors).
+is `llama_memory_seq_rm`, its bool checked. llama.cpp's log goes to a ring buffer (echoed while a
+verbose=True backend is open, and quoted in load errors: backends/deps.py).
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 from collections.abc import Sequence
@@ -18,31 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import LogitRows, VocabInfo
-from edgespec.errors import BackendError, ContextOverflowError, MissingDependencyError, ModelLoadError
-
-_LOG: collections.deque[str] = collections.deque(maxlen=200)
-_state = {"verbose": False, "callback": None}
-
-
-def _lib():
-    try:
-        import llama_cpp
-    except ImportError as e:  # the optional extra is missing
-        raise MissingDependencyError(
-            "the llama.cpp backend needs llama-cpp-python: pip install 'edgespec[llama]'") from e
-    if _state["callback"] is None:
-        @llama_cpp.llama_log_callback
-        def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            line = text.decode("utf-8", "replace")
-            _LOG.append(line)
-            if _state["verbose"]:
-                os.write(2, text)
-
-        _state["callback"] = _log  # keep a reference: C holds only the pointer
-        llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-    return llama_cpp
+from edgespec.backends.base import Closing, LogitRows, VocabInfo, check_room, join_rows
+from edgespec.backends.deps import clear_llama_log, hide_llama_log, import_llama, llama_log, show_llama_log
+from edgespec.errors import BackendError, ModelLoadError
 
 
 def model_metadata(ll: Any, model: Any, key: str) -> str | None:
@@ -58,7 +35,7 @@ def model_metadata(ll: Any, model: Any, key: str) -> str | None:
 
 
 # ggml type ids (ggml.h) for the KV cache
-_KV_TYPES = {"q8_0": 8, "f16": 1, "f32": 0}
+KV_TYPES = {"q8_0": 8, "f16": 1, "f32": 0}
 
 
 def default_threads() -> int:
@@ -77,108 +54,72 @@ def check_gguf_file(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
-def _diagnose(path: Path) -> str:
-    """Why llama.cpp refused a GGUF file: a cut header or a tensor past the end of a truncated file
-    (found by walking the header, ~0.1-0.4 s; gguf.GGUFReader parses every vocabulary entry and takes
-    3-15 s); otherwise quote llama.cpp's last error line."""
-    try:
-        problem = _gguf_truncation(path)
-    except (ValueError, KeyError, OSError) as e:  # struct.error is a ValueError
-        problem = f"corrupt GGUF header ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+def load_failure_reason(path: Path) -> str:
+    """Why llama.cpp refused a GGUF file: what its header says (a cut header, a tensor past the end of
+    a truncated file: ``gguf_file.gguf_problem``), otherwise llama.cpp's last error line."""
+    from edgespec.gguf_file import gguf_problem
+
+    problem = gguf_problem(path)
     if problem:
         return problem
-    errors = [ln.strip() for ln in _LOG if "error" in ln.lower() or "failed" in ln.lower()]
+    errors = [ln.strip() for ln in llama_log() if "error" in ln.lower() or "failed" in ln.lower()]
     return errors[-1] if errors else "llama.cpp could not load it (run with --verbose for its log)"
 
 
-def _gguf_truncation(path: Path) -> str | None:
-    """A one-line description if the GGUF file at `path` is cut short, else None. Reads only the
-    header: metadata (skipped), tensor infos, alignment; compares tensor extents with the file size."""
-    import mmap
-    import struct
+class LlamaHandles(Closing):
+    """The libllama handles one object owns (a model, its context, a batch), freed once in reverse
+    order by close(), at garbage collection or at the end of a ``with`` block. The owners:
+    LlamaCppBackend, LlamaVocab (a model alone), heads.llama_head.LlamaHeadContext (an ext batch).
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    Args:
+        verbose: echo llama.cpp's log to stderr while this object is open (deps.show_llama_log).
+    """
 
-    _GGML_TYPES = {int(t) for t in GGML_QUANT_SIZES}
-    size = path.stat().st_size
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        pos = 0
+    def __init__(self, verbose: bool = False) -> None:
+        self._model: Any = None  # before any raise: close() runs on half-built objects too
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._free_batch: Any = None  # llama_batch_free or llama_batch_ext_free, by the batch's kind
+        self._ll = import_llama()
+        if verbose:
+            show_llama_log(self)
 
-        def take(fmt: str) -> tuple:
-            nonlocal pos
-            n = struct.calcsize(fmt)
-            if pos + n > size:
-                raise EOFError
-            pos += n
-            return struct.unpack_from(fmt, mm, pos - n)
+    @property
+    def llama_model(self) -> Any:
+        """The llama_model pointer, for libllama calls on this model (None once closed)."""
+        return self._model
 
-        def string() -> bytes:
-            nonlocal pos
-            (n,) = take("<Q")
-            if pos + n > size:
-                raise EOFError
-            pos += n
-            return mm[pos - n:pos]
+    @property
+    def llama_context(self) -> Any:
+        """The llama_context pointer (a head's ``ctx_other``; None once closed or when there is none)."""
+        return self._ctx
 
-        scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    def _load_model(self, path: Path, params: Any, what: str) -> None:
+        """llama_model_load_from_file, or a one-line ModelLoadError saying why not (`what` failed)."""
+        clear_llama_log()
+        self._model = self._ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"cannot {what} {path}: {load_failure_reason(path)}")
 
-        def skip_value(vtype: int) -> None:
-            nonlocal pos
-            if vtype == 8:
-                string()
-            elif vtype == 9:
-                sub, n = take("<IQ")
-                if sub in scalar:
-                    pos += n * scalar[sub]
-                    if pos > size:
-                        raise EOFError
-                else:
-                    for _ in range(n):
-                        skip_value(sub)
-            else:
-                pos += scalar[vtype]
-
-        try:
-            _magic, _version, n_tensors, n_kv = take("<4sIQQ")
-            alignment = 32
-            for _ in range(n_kv):
-                key = string()
-                (vtype,) = take("<I")
-                if key == b"general.alignment" and vtype == 4:
-                    (alignment,) = take("<I")
-                else:
-                    skip_value(vtype)
-            infos = []
-            for _ in range(n_tensors):
-                name = string().decode("utf-8", "replace")
-                (n_dims,) = take("<I")
-                dims = take(f"<{n_dims}Q")
-                ggml_type, offset = take("<IQ")
-                if ggml_type not in _GGML_TYPES:  # newer than the gguf package: size unknown
-                    continue
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-                n_elems = 1
-                for d in dims:
-                    n_elems *= d
-                infos.append((offset + n_elems // block * type_size, name))
-        except EOFError:
-            return f"truncated: the file ends inside its GGUF header ({size} bytes)"
-        data_start = -(-pos // alignment) * alignment
-        if not infos:
-            return None
-        cut = [(end, name) for end, name in infos if data_start + end > size]
-        if cut:
-            return (f"truncated: {size} bytes, but its tensors need {data_start + max(cut)[0]} "
-                    f"(tensor {min(cut)[1]} is the first cut off)")
-    return None
+    def close(self) -> None:
+        ll = self.__dict__.get("_ll")
+        if ll is None:  # import_llama raised: nothing was created
+            return
+        hide_llama_log(self)
+        if self._batch and self._free_batch is not None:  # a batch struct, or a non-NULL ext batch pointer
+            self._free_batch(self._batch)
+        self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
 
 
-class _VocabCalls:
+class _VocabCalls(LlamaHandles):
     """Tokenizer and metadata calls on a loaded llama.cpp model: shared by LlamaCppBackend and
     LlamaVocab (a vocab-only load, for backends that run the weights elsewhere)."""
-
-    _ll: Any
-    _model: Any
 
     def _init_vocab(self) -> None:
         ll = self._ll
@@ -240,8 +181,8 @@ class LlamaCppBackend(_VocabCalls):
             "f16" or "f32". With F16/F32 caches, llama.cpp's
             CPU flash attention takes a split-KV path for single-token steps once the cache passes
             256 cells, so they no longer match batched verification bit for bit; Q8_0 caches do,
-            at the same measured speed and half the memory (README, known limits).
-        verbose: print llama.cpp's log.
+            at the same measured speed and half the memory (docs/known-limits.md).
+        verbose: print llama.cpp's log while this backend is open (deps.show_llama_log).
     """
 
     name = "llama.cpp"
@@ -249,21 +190,17 @@ class LlamaCppBackend(_VocabCalls):
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, threads: int | None = None,
                  n_gpu_layers: int = 0, n_batch: int = 512, use_extra_bufts: bool = False,
                  kv_type: str = "auto", verbose: bool = False) -> None:
-        self._model = self._ctx = self._batch = None  # before any raise: __del__ calls close()
-        self._ll = ll = _lib()
-        if kv_type not in (*_KV_TYPES, "auto"):
-            raise BackendError(f"kv_type must be one of {', '.join(_KV_TYPES)} (got {kv_type!r})")
-        _state["verbose"] = verbose
+        if kv_type not in (*KV_TYPES, "auto"):
+            raise BackendError(f"kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})")
+        super().__init__(verbose)
+        ll = self._ll
         p = Path(path).expanduser()
         check_gguf_file(p)
         self.path = str(p)
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1
         mp.use_extra_bufts = use_extra_bufts
-        _LOG.clear()
-        self._model = ll.llama_model_load_from_file(self.path.encode(), mp)
-        if not self._model:
-            raise ModelLoadError(f"cannot load {p}: {_diagnose(p)}")
+        self._load_model(p, mp, "load")
         threads = threads or default_threads()
         cp = ll.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
@@ -274,7 +211,7 @@ class LlamaCppBackend(_VocabCalls):
         self._configure_context(cp)
         for kv in ("q8_0", "f16") if kv_type == "auto" else (kv_type,):
             # Q8_0 needs head sizes divisible by its 32-value blocks; "auto" falls back to F16
-            cp.type_k = cp.type_v = _KV_TYPES[kv]
+            cp.type_k = cp.type_v = KV_TYPES[kv]
             self._ctx = ll.llama_init_from_model(self._model, cp)
             if self._ctx:
                 break
@@ -282,10 +219,10 @@ class LlamaCppBackend(_VocabCalls):
         if not self._ctx:
             self.close()
             raise ModelLoadError(f"cannot create a llama.cpp context for {p} (n_ctx={n_ctx}, kv_type={kv_type}): "
-                                 f"{_diagnose(p)}")
+                                 f"{load_failure_reason(p)}")
         self._init_vocab()
         self._mem = ll.llama_get_memory(self._ctx)
-        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch, self._free_batch = ll.llama_batch_init(n_batch, 0, 1), ll.llama_batch_free
         self.n_batch, self.threads = n_batch, threads
         self.n_ctx = ll.llama_n_ctx(self._ctx)
         self._n_past = 0
@@ -302,9 +239,7 @@ class LlamaCppBackend(_VocabCalls):
 
     def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
         n = len(tokens)
-        if self._n_past + n > self.n_ctx:
-            raise ContextOverflowError(
-                f"{self._n_past} tokens in context + {n} new exceed the context of {self.n_ctx} tokens")
+        check_room(self._n_past, n, self.n_ctx)
         out = []
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
@@ -314,9 +249,7 @@ class LlamaCppBackend(_VocabCalls):
             if k:
                 ptr = self._ll.llama_get_logits(self._ctx)  # rows for the outputs, in batch order
                 out.append(np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab)).copy())
-        if not out:
-            return np.empty((0, self.n_vocab), np.float32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
+        return join_rows(out, self.n_vocab)
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         b = self._batch
@@ -341,29 +274,6 @@ class LlamaCppBackend(_VocabCalls):
             raise BackendError(f"llama_memory_seq_rm could not roll back from {self._n_past} to {n_past} tokens")
         self._n_past = n_past
 
-    def close(self) -> None:
-        ll = getattr(self, "_ll", None)
-        if ll is None:
-            return
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            ll.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        self.close()
-
-    def __enter__(self) -> LlamaCppBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class LlamaVocab(_VocabCalls):
     """A GGUF file's tokenizer and metadata alone: a vocab-only llama.cpp load (no weights, no
@@ -371,26 +281,13 @@ class LlamaVocab(_VocabCalls):
     token for token."""
 
     def __init__(self, path: str | os.PathLike, verbose: bool = False) -> None:
-        self._model = None
-        self._ll = ll = _lib()
-        _state["verbose"] = verbose
+        super().__init__(verbose)
         p = Path(path).expanduser()
         check_gguf_file(p)
-        mp = ll.llama_model_default_params()
+        mp = self._ll.llama_model_default_params()
         mp.vocab_only = True
-        _LOG.clear()
-        self._model = ll.llama_model_load_from_file(str(p).encode(), mp)
-        if not self._model:
-            raise ModelLoadError(f"cannot read the vocabulary of {p}: {_diagnose(p)}")
+        self._load_model(p, mp, "read the vocabulary of")
         self._init_vocab()
-
-    def close(self) -> None:
-        if self._model:
-            self._ll.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _tok_or_none(t: int) -> int | None:

@@ -166,6 +166,23 @@ class FeatureStore:
         return self._buf[start:stop].copy()
 
 
+class StoredFeatures:
+    """``features`` and a ``truncate`` that keeps them in step with the KV cache, for a backend
+    that appends one row per evaluated position to ``self._store`` (a FeatureStore):
+    LlamaFeatureBackend and mlx_features.MlxFeatureBackend. List it before the backend class."""
+
+    _store: FeatureStore
+    n_past: int
+
+    def truncate(self, n_past: int) -> None:
+        super().truncate(n_past)  # type: ignore[misc]  # the backend's rollback, next in the MRO
+        self._store.truncate(self.n_past)
+
+    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]:
+        """Features of positions [start, stop) (default: all n_past): (stop-start, len(layers)*n_embd)."""
+        return self._store.rows(start, self.n_past if stop is None else stop)
+
+
 class _CbEvalCapture:
     """A cb_eval callback that copies the tensors named in ``names`` (name → slot) per decode.
 
@@ -230,7 +247,7 @@ class _CbEvalCapture:
         return [p for p in self._parts if p is not None]
 
 
-class LlamaFeatureBackend(LlamaCppBackend):
+class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
     """A llama.cpp target that also returns hidden states at a few layers for every evaluated token.
 
     Args:
@@ -246,7 +263,8 @@ class LlamaFeatureBackend(LlamaCppBackend):
 
     After ``eval`` (any ``rows``, chunked or not), ``features(start, stop)`` holds one row per
     position: (stop - start, len(layers) * n_embd) float32, the layers concatenated in the order
-    given (EAGLE-3's low, mid, high). ``truncate`` drops the rows past the new length.
+    given (EAGLE-3's low, mid, high). ``truncate`` drops the rows past the new length. A
+    base.FeatureBackend.
     """
 
     def __init__(self, path: Any, *, layers: Sequence[int] | None = None, method: FeatureMethod = "auto",
@@ -315,10 +333,11 @@ class LlamaFeatureBackend(LlamaCppBackend):
                 parts.append(np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)))
         self._store.append(np.concatenate(parts, axis=1))
 
-    def truncate(self, n_past: int) -> None:
-        super().truncate(n_past)
-        self._store.truncate(self.n_past)
+    def token_embeddings(self) -> None:
+        """None: a libllama head reads the target's weights through ctx_other, any other head from
+        the target's GGUF (base.FeatureBackend)."""
+        return None
 
-    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]:
-        """Features of positions [start, stop) (default: all n_past): (stop-start, len(layers)*n_embd)."""
-        return self._store.rows(start, self.n_past if stop is None else stop)
+    def lm_head_weights(self) -> None:
+        """None, as for ``token_embeddings``."""
+        return None

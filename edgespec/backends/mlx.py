@@ -23,23 +23,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import LogitRows, VocabInfo
-from edgespec.errors import ContextOverflowError, MissingDependencyError, ModelLoadError
+from edgespec.backends.base import Closing, LogitRows, VocabInfo, check_room, join_rows
+from edgespec.backends.deps import import_mlx
+from edgespec.errors import ModelLoadError
 
 # Model types whose Model.__call__ is `lm_head(self.model(...))` (or the tied embedding): for them
 # the LM head runs only on the rows asked for. Others run whole and are sliced.
 _SPLIT_HEAD = {"llama", "gemma3_text"}
-
-
-def import_mlx() -> Any:
-    """mlx.core, or a one-line MissingDependencyError."""
-    try:
-        import mlx.core as mx
-        import mlx_lm  # noqa: F401
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"the MLX backend needs mlx and mlx-lm ({e.name} is missing): pip install 'edgespec[mlx]'") from e
-    return mx
 
 
 def mlx_model_dir(path: str | os.PathLike, note: Callable[[str], None] | None = None) -> Path:
@@ -74,7 +64,7 @@ def trimmable_caches(model: Any, model_type: str) -> list[Any]:
     return caches
 
 
-class MlxBackend:
+class MlxBackend(Closing):
     """A model on MLX (mlx-lm model classes and caches).
 
     Args:
@@ -143,9 +133,7 @@ class MlxBackend:
 
     def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
         n = len(tokens)
-        if self._n_past + n > self.n_ctx:
-            raise ContextOverflowError(
-                f"{self._n_past} tokens in context + {n} new exceed the context of {self.n_ctx} tokens")
+        check_room(self._n_past, n, self.n_ctx)
         out = []
         for start in range(0, n, self.n_batch):
             chunk = list(tokens[start:start + self.n_batch])
@@ -155,9 +143,7 @@ class MlxBackend:
             self._n_past += len(chunk)
             if logits is not None:
                 out.append(logits)
-        if not out:
-            return np.empty((0, self.n_vocab), np.float32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
+        return join_rows(out, self.n_vocab)
 
     def _forward(self, chunk: list[int], want: LogitRows) -> npt.NDArray[np.float32] | None:
         mx, model = self._mx, self.model
@@ -189,15 +175,6 @@ class MlxBackend:
             self._vocab.close()
             self._vocab = None
         self._caches = []
-
-    def __del__(self) -> None:
-        self.close()
-
-    def __enter__(self) -> MlxBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _open_vocab(model_dir: Path, verbose: bool) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.errors import ModelLoadError
+from edgespec.gguf_file import GGUFFile, add_fields, read_gguf
 
 GROUP = 32  # every GGUF block format maps onto MLX group size 32
 CONVERTER_VERSION = 2  # part of the cache key: bump when the output format changes
@@ -72,37 +73,27 @@ class Conversion:
 
 
 def _mx():
-    from edgespec.backends.mlx import import_mlx
+    from edgespec.backends.deps import import_mlx
 
     return import_mlx()
 
 
-def _fields(reader: Any) -> dict[str, Any]:
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
-def mlx_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """mlx-lm config.json for a llama or gemma3 GGUF's metadata."""
-    arch = meta.get("general.architecture")
+def mlx_config(f: GGUFFile) -> dict[str, Any]:
+    """mlx-lm config.json for a llama or gemma3 GGUF's metadata (ValueError naming a missing key)."""
+    arch = f.value("general.architecture")
     if arch not in _ARCH_LAYER_NAMES:
         raise ModelLoadError(f"cannot convert GGUF architecture {arch!r} to MLX (supported: llama, gemma3)")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
+    get = f.arch_value
     n_head = get("attention.head_count")
-    n_vocab = len(meta["tokenizer.ggml.tokens"])
+    n_vocab = len(f.require("tokenizer.ggml.tokens"))
     cfg: dict[str, Any] = dict(
         hidden_size=get("embedding_length"), num_hidden_layers=get("block_count"),
         intermediate_size=get("feed_forward_length"), num_attention_heads=n_head,
         num_key_value_heads=get("attention.head_count_kv", n_head), rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
         vocab_size=n_vocab, max_position_embeddings=get("context_length"),
         head_dim=get("attention.key_length", get("embedding_length") // n_head),
-        tie_word_embeddings="output.weight" not in tensor_names)
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        tie_word_embeddings="output.weight" not in f.tensors)
+    scaling = f.value(f"{arch}.rope.scaling.type", "none")
     if arch == "llama":
         if scaling != "none":
             raise ModelLoadError(f"cannot convert: rope scaling {scaling!r} is not supported for llama GGUFs yet")
@@ -184,34 +175,31 @@ def affine_from_blocks(blocks: np.ndarray, kind: str, n_rows: int) -> tuple[np.n
     return pack_bits(q.reshape(n_rows, -1), bits), scale.reshape(n_rows, -1), bias.reshape(n_rows, -1)
 
 
-def _tensor_arrays(reader: Any, path: Path, arch: str, bits: int) -> tuple[dict[str, Any], dict[str, str]]:
+def _tensor_arrays(f: GGUFFile, arch: str, bits: int) -> tuple[dict[str, Any], dict[str, str]]:
     """mlx name → mx.array (quantized tensors as weight/scales/biases), and how each was converted."""
-    import gguf
-
     mx = _mx()
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    native = mx.load(str(path)) if set(types.values()) <= _NATIVE | _FLOAT else {}
+    types = {tname: qtype.name for tname, (qtype, _shape, _raw) in f.tensors.items()}
+    native = mx.load(str(f.path)) if set(types.values()) <= _NATIVE | _FLOAT else {}
     out: dict[str, Any] = {}
     how: dict[str, str] = {}
-    for t in reader.tensors:
-        name, kind = mlx_name(t.name, arch), types[t.name]
+    for tname, (_qtype, shape, raw) in f.tensors.items():  # shape: numpy order (rows..., columns)
+        name, kind = mlx_name(tname, arch), types[tname]
         base = name.rpartition(".")[0]
-        n_rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         if kind in _NATIVE and native:
-            stem = t.name.rpartition(".")[0]
-            out[name] = native[t.name]
+            stem = tname.rpartition(".")[0]
+            out[name] = native[tname]
             out[base + ".scales"] = native[stem + ".scales"].astype(mx.float32)
             out[base + ".biases"] = native[stem + ".biases"].astype(mx.float32)
-            how[name] = f"{kind.lower()} native ({32 * native[t.name].shape[-1] // int(t.shape[0])}-bit)"
+            how[name] = f"{kind.lower()} native ({32 * native[tname].shape[-1] // int(shape[-1])}-bit)"
         elif kind in _AFFINE:
-            blocks = np.asarray(t.data).reshape(-1, _AFFINE[kind][0])
+            blocks = raw.reshape(-1, _AFFINE[kind][0])
             w, s, b = affine_from_blocks(blocks, kind, n_rows)
             out[name], out[base + ".scales"], out[base + ".biases"] = mx.array(w), mx.array(s), mx.array(b)
             how[name] = f"{kind.lower()} → {_AFFINE[kind][1]}-bit (exact)"
         else:
-            x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
-            x = x.reshape(tuple(int(d) for d in reversed(t.shape)))
-            if arch == "gemma3" and t.name.endswith("norm.weight"):
+            x = f.tensor(tname)
+            if arch == "gemma3" and tname.endswith("norm.weight"):
                 x = x - 1.0  # see the module docstring
             if kind in _FLOAT or x.ndim == 1:
                 out[name] = mx.array(x)
@@ -223,17 +211,12 @@ def _tensor_arrays(reader: Any, path: Path, arch: str, bits: int) -> tuple[dict[
     return out, how
 
 
-def _write_tokenizer(reader: Any, meta: dict[str, Any], dst: Path) -> None:
+def _write_tokenizer(f: GGUFFile, dst: Path) -> None:
     """A GGUF with every metadata key of the source and no tensors (what a vocab-only load needs)."""
     import gguf
 
-    w = gguf.GGUFWriter(dst, meta["general.architecture"])
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, meta[name], vtype, sub_type=sub)
+    w = gguf.GGUFWriter(dst, f.value("general.architecture"))
+    add_fields(w, {k: v for k, v in f.kv.items() if k != "general.architecture"})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
@@ -252,8 +235,6 @@ def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: in
     Returns:
         A Conversion naming how every tensor was carried over.
     """
-    import gguf
-
     from edgespec.backends.llama_cpp import check_gguf_file
 
     say = note or (lambda _line: None)
@@ -264,11 +245,13 @@ def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: in
     if (out / "config.json").exists():
         raise ModelLoadError(f"{out} already holds a model (config.json): choose an empty directory")
     say(f"reading {src.name}")
-    reader = gguf.GGUFReader(src)
-    meta = _fields(reader)
-    arch = meta.get("general.architecture", "?")
-    config = mlx_config(meta, {t.name for t in reader.tensors})
-    weights, how = _tensor_arrays(reader, src, arch, bits)
+    try:
+        f = read_gguf(src)
+        config = mlx_config(f)
+    except ValueError as e:  # truncated, corrupt, or a missing hyperparameter
+        raise ModelLoadError(f"cannot convert {e}") from None
+    arch = f.value("general.architecture")
+    weights, how = _tensor_arrays(f, arch, bits)
     quantized = {k[:-len(".scales")]: weights[k[:-len(".scales")] + ".weight"] for k in weights if k.endswith(".scales")}
     if quantized:  # a default, and every quantized module's own width (mlx-lm's per-layer entries)
         config["quantization"] = {"group_size": GROUP, "bits": 4, **{
@@ -278,7 +261,7 @@ def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: in
     out.mkdir(parents=True, exist_ok=True)
     _mx().save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    _write_tokenizer(reader, meta, out / TOKENIZER_FILE)
+    _write_tokenizer(f, out / TOKENIZER_FILE)
     (out / REPORT_FILE).write_text(json.dumps(
         {"source": str(src), "converter_version": CONVERTER_VERSION, "tensors": conv.treatment}, indent=1) + "\n")
     say(f"wrote {out}: {conv.summary()}")

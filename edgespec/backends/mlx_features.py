@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.base import LogitRows
-from edgespec.backends.llama_features import FeatureStore, eagle3_layer_ids
+from edgespec.backends.llama_features import FeatureStore, StoredFeatures, eagle3_layer_ids
 from edgespec.backends.mlx import MlxBackend
 from edgespec.errors import BackendError, ModelLoadError
 
@@ -45,7 +45,7 @@ def _capture_layer_class() -> type:
     return CaptureLayer
 
 
-class MlxFeatureBackend(MlxBackend):
+class MlxFeatureBackend(StoredFeatures, MlxBackend):
     """An MLX target that also returns hidden states at a few layers for every evaluated token.
 
     Args:
@@ -54,7 +54,7 @@ class MlxFeatureBackend(MlxBackend):
             ``eagle3_layer_ids(n_layer)``.
         **kwargs: as for MlxBackend.
 
-    The interface is LlamaFeatureBackend's: ``feature_layers``, ``n_layer``, ``n_embd`` and
+    A base.FeatureBackend, as LlamaFeatureBackend: ``feature_layers``, ``n_layer``, ``n_embd`` and
     ``features(start, stop)`` → (stop - start, len(layers) * n_embd) float32, one row per position
     for every ``eval`` (any ``rows``, chunked or not); ``truncate`` drops the rows past the new length.
     """
@@ -95,14 +95,6 @@ class MlxFeatureBackend(MlxBackend):
         self._captured.clear()
         self._store.append(np.asarray(rows))
         return logits
-
-    def truncate(self, n_past: int) -> None:
-        super().truncate(n_past)
-        self._store.truncate(self.n_past)
-
-    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]:
-        """Features of positions [start, stop) (default: all n_past): (stop-start, len(layers)*n_embd)."""
-        return self._store.rows(start, self.n_past if stop is None else stop)
 
     def token_embeddings(self) -> Any:
         """The target's token embeddings (V, H) as an mx array, unscaled (what llama.cpp's EAGLE-3

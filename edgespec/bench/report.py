@@ -24,7 +24,8 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
              "verified (a cycle's first rejected one and all after it) per generated token. "
              "Acceptance: P(position i accepted | reached). "
              "Efficiency = median speedup ÷ ideal speedup of the same cycles: Σ tokens·T(1) / Σ (T_draft + T(d+1)), "
-             "with T(k) from `edgespec profile` and a draft model's T(1) per drafted token. "
+             "with T(k) from `edgespec profile` and T_draft from the drafter's cost prior (a draft model's T(1) per "
+             "drafted token; a head's timed chain step or block). "
              "Draft cost = the drafter's ms per drafted token ÷ plain ms per token, measured in these runs. "
              "**Predicted memory-bound** is a prediction, not a measurement: the speedup of the same cycles "
              "if verifying k ≤ 9 tokens cost one step (T(k) = T(1)), Σ tokens / Σ (1 + d·draft cost).", ""]

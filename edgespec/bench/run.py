@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 from edgespec.bench.profile import ideal_speedup_at
 from edgespec.bench.tasks import Task
-from edgespec.engine import Engine
+from edgespec.drafters.base import DraftCost
+from edgespec.engine import Engine, Generation
 from edgespec.stats import Stats
 
 
@@ -66,9 +67,9 @@ def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Co
             for rep in range(repeats):
                 for cfg in configs:
                     kw = dict(max_tokens=task.max_tokens, temperature=temp, seed=1000 * rep + 1, num_draft=cfg.k)
-                    plain = _one(plain_engine or engine, task, kw, chat, speculative=False)
+                    plain = run_one(plain_engine or engine, task, kw, chat, speculative=False)
                     engine.drafter = drafters[cfg.drafter]
-                    spec = _one(engine, task, kw, chat, speculative=True)
+                    spec = run_one(engine, task, kw, chat, speculative=True)
                     for label, (gen, stats) in (("plain", plain), (cfg.label, spec)):
                         r = _record(task, label, temp, rep, stats)
                         if label != "plain":
@@ -80,7 +81,9 @@ def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Co
     return runs
 
 
-def _one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool):
+def run_one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool) -> tuple[Generation, Stats]:
+    """One generation of `task` from a cold cache (chat template when `chat`), with `kw` as for
+    Engine.generate; returns it and its stats."""
     engine.reset()  # every run pays its own prompt: no cache carried between configs
     gen = (engine.chat(list(task.messages), speculative=speculative, **kw) if chat
            else engine.generate(task.prompt, speculative=speculative, **kw))
@@ -93,7 +96,7 @@ def _record(task: Task, label: str, temp: float, rep: int, s: Stats) -> Run:
 
 
 def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
-              draft_per_token_ms: dict[str, float] | None = None) -> list[dict]:
+              draft_cost: dict[str, DraftCost] | None = None) -> list[dict]:
     """Per (config, temperature, category) and per (config, temperature, "all"): medians and ratios."""
     groups: dict[tuple[str, float, str], list[Run]] = {}
     for r in runs:
@@ -118,9 +121,10 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
                    mismatches=sum(1 for r in rs if r.matches_plain is False))
         row.update(memory_bound_prediction(rs))
         if t_forward_ms:
-            per_tok = (draft_per_token_ms or {}).get(config, 0.0)
-            row["ideal_speedup"] = ideal_speedup_at(t_forward_ms, lambda d, ms=per_tok: d * ms,
-                                                    [c for r in rs for c in r.cycles])
+            cost = (draft_cost or {}).get(config)  # None: drafting is free (n-gram)
+            row["ideal_speedup"] = ideal_speedup_at(
+                t_forward_ms, lambda d, c=cost: c.fixed_ms + d * c.per_token_ms if c and d else 0.0,
+                [c for r in rs for c in r.cycles])
             row["efficiency"] = row["speedup_median"] / row["ideal_speedup"] if row["ideal_speedup"] else None
         rows.append(row)
     return rows

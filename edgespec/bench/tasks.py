@@ -1,5 +1,8 @@
 """The benchmark task suite: JSONL files of prompts, one task per line, validated on load.
 
+The default suite ships inside the package (edgespec/bench/suite/*.jsonl, package data), so it loads
+from an installed wheel as well as from a source checkout.
+
 Each line is an object with exactly these keys:
     id          unique non-empty string, e.g. "chat-01"
     category    non-empty string, e.g. "chat" (see CATEGORIES for the shipped ones)
@@ -14,13 +17,18 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgespec.errors import EdgespecError
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 CATEGORIES: tuple[str, ...] = ("chat", "code_edit", "summarize_quote", "json_extract", "story", "multi_turn")
-DEFAULT_TASKS_DIR = Path(__file__).resolve().parents[2] / "bench" / "tasks"
+# A Traversable, not a Path: package data need not be a plain directory (e.g. a zipped install).
+DEFAULT_TASKS_DIR: Traversable = resources.files("edgespec.bench") / "suite"
 MIN_MAX_TOKENS, MAX_MAX_TOKENS = 1, 4096
 ROLES = ("system", "user", "assistant")
 _KEYS = ("id", "category", "messages", "prompt", "max_tokens")
@@ -80,9 +88,10 @@ def _parse_line(line: str, where: str) -> Task:
     return Task(obj["id"], obj["category"], messages, obj["prompt"], max_tokens)
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: Traversable) -> list[Traversable]:
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        files = sorted((p for p in path.iterdir() if p.name.endswith(".jsonl") and p.is_file()),
+                       key=lambda p: p.name)
         if not files:
             raise EdgespecError(f"no .jsonl task files in {path}")
         return files
@@ -91,7 +100,8 @@ def _files(path: Path) -> list[Path]:
     raise EdgespecError(f"task file or directory not found: {path}")
 
 
-def load_tasks(path: str | Path | None = None, categories: Sequence[str] | None = None) -> list[Task]:
+def load_tasks(path: str | Path | Traversable | None = None,
+               categories: Sequence[str] | None = None) -> list[Task]:
     """Load and validate tasks from a .jsonl file or a directory of them (default: the shipped suite).
 
     Tasks come in file order, files in name order. `categories` keeps only those categories (in
@@ -103,12 +113,12 @@ def load_tasks(path: str | Path | None = None, categories: Sequence[str] | None 
     """
     if path is None:
         if not DEFAULT_TASKS_DIR.is_dir():
-            raise EdgespecError(f"the task suite is not at {DEFAULT_TASKS_DIR} (edgespec is not run from a "
-                                "repository checkout); pass a tasks path explicitly")
+            raise EdgespecError(f"the task suite is not at {DEFAULT_TASKS_DIR} (the package data is "
+                                "missing from this install); pass a tasks path explicitly")
         path = DEFAULT_TASKS_DIR
     tasks: list[Task] = []
     seen: dict[str, str] = {}
-    for file in _files(Path(path)):
+    for file in _files(Path(path) if isinstance(path, str) else path):
         try:
             lines = file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as err:

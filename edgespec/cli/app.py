@@ -47,11 +47,6 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.add_typer(models_cmd.app)
-app.command()(profile_cmd.profile)
-app.command()(bench_cmd.bench)
-app.command()(convert_cmd.convert)
-app.command("train-head")(train_cmd.train_head)
 
 
 def _version(value: bool) -> None:
@@ -147,7 +142,10 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", help="Stop at this string (repeatable).")] = None,
 ) -> None:
-    """Generate a completion: text streams to stdout, one stats line to stderr (greedy by default)."""
+    """Generate a completion (greedy by default).
+
+    Text streams to stdout, one stats line to stderr.
+    """
     opts.check()
     text = _read_prompt(prompt)
     with opts.load() as engine:
@@ -174,9 +172,10 @@ def chat(
     system: Annotated[str | None, typer.Option(
         "--system", "-s", help="System message that starts the conversation.")] = None,
 ) -> None:
-    """Chat in the terminal with the model's chat template (temperature 0.7 by default).
+    """Chat in the terminal (temperature 0.7 by default).
 
-    Ctrl-C stops a reply (the partial reply stays in the history); Ctrl-C or Ctrl-D at the prompt quits.
+    Uses the model's chat template. Ctrl-C stops a reply (the partial reply
+    stays in the history); Ctrl-C or Ctrl-D at the prompt quits.
     """
     from edgespec.stats import Stats
 
@@ -267,9 +266,10 @@ def demo(
     repeats: Annotated[int, typer.Option(
         "--repeats", "-r", min=1, help="Alternating spec/plain pairs; the line then quotes medians.")] = 1,
 ) -> None:
-    """Speculative vs plain decoding on a built-in prompt; prints one comparison line.
+    """Compare speculative with plain decoding on a built-in prompt.
 
-    Greedy by default, so both runs must produce the same text (the decoding is lossless).
+    Prints one comparison line. Greedy by default, so both runs must produce
+    the same text (the decoding is lossless).
     """
     if opts.no_spec or opts.drafter.lower() == "none":
         raise EdgespecError("demo compares speculative with plain decoding: it needs a drafter "
@@ -310,7 +310,15 @@ def _speculative(engine: Any, opts: RunOptions) -> bool:
 
 
 def _drafter_name(engine: Any) -> str:
-    return getattr(engine.drafter, "name", None) or ("none" if engine.drafter is None else "?")
+    return "none" if engine.drafter is None else engine.drafter.name
+
+
+# Registered after generate, chat and demo so that `edgespec --help` lists those first.
+app.command()(profile_cmd.profile)
+app.command()(bench_cmd.bench)
+app.command()(convert_cmd.convert)
+app.command("train-head")(train_cmd.train_head)
+app.add_typer(models_cmd.app)
 
 
 def main() -> None:

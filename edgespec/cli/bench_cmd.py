@@ -25,7 +25,7 @@ def bench(
                                   "the machine's noise; with a head, the cost of capturing features) (default: 4 and auto).")] = None,
     temp: Annotated[list[float] | None, typer.Option(
         "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="A .jsonl file or folder (default: bench/tasks).")] = None,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="A .jsonl file or folder (default: the shipped suite, edgespec/bench/suite).")] = None,
     category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories.")] = None,
     per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category.")] = 3,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
@@ -37,18 +37,23 @@ def bench(
     strict: Annotated[bool, typer.Option(
         "--strict/--no-strict", help="Exit 1 if a greedy speculative run differs from plain decoding.")] = True,
 ) -> None:
-    """Plain decoding vs each speculative config on the task suite, alternating in one process on the
-    same backend; per config and category: tok/s, speedup min/median/max, τ, acceptance by position,
-    time split, peak RSS, greedy mismatches, and efficiency vs the ideal speedup from `edgespec profile`."""
+    """Benchmark plain vs speculative decoding on the task suite.
+
+    Plain decoding vs each speculative config on the task suite, alternating
+    in one process on the same backend; per config and category: tok/s,
+    speedup min/median/max, τ, acceptance by position, time split, peak RSS,
+    greedy mismatches, and efficiency vs the ideal speedup from
+    `edgespec profile`.
+    """
     import dataclasses
 
-    from edgespec.api import make_drafter, open_backend
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench import report
-    from edgespec.bench.profile import profile_path, time_forward
     from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
     from edgespec.bench.tasks import load_tasks
-    from edgespec.drafters.feature_heads import is_feature_head, open_head_target
+    from edgespec.calibration import profile_path
+    from edgespec.drafters.base import FeatureTarget
+    from edgespec.drafters.registry import open_backend, open_drafter, open_target
     from edgespec.engine import Engine, check_num_draft
     from edgespec.models import model_sha256
 
@@ -62,16 +67,15 @@ def bench(
     gammas = [check_num_draft(g) for g in (k or ["4", "auto"])]
     configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
     temps = temp or [0.0]
-    heads = [d for d in (drafter or []) if is_feature_head(d)]
     # a head drafts from target features: speculative runs use a target that captures them, plain runs a
     # plain backend of the same file, so plain tok/s does not pay for the capture
-    engine = Engine(open_head_target(target, heads[0], backend, threads=threads, n_ctx=ctx) if heads
-                    else open_backend(target, backend, threads=threads, n_ctx=ctx))
-    plain_engine = Engine(open_backend(target, backend, threads=threads, n_ctx=ctx)) if heads else None
+    engine = Engine(open_target(target, [c.drafter for c in configs], backend, threads=threads, n_ctx=ctx))
+    plain_engine = (Engine(open_backend(target, backend, threads=threads, n_ctx=ctx))
+                    if isinstance(engine.target, FeatureTarget) else None)
     drafters = {}
     try:
         for d in {c.drafter for c in configs}:
-            drafters[d] = engine.drafter = make_drafter(d, engine.target, backend, threads=threads, n_ctx=ctx)
+            drafters[d] = engine.drafter = open_drafter(d, engine.target, backend, threads=threads, n_ctx=ctx)
             if "auto" in gammas:
                 engine.calibrate(note=ui.status)  # the scheduler's cost prior (cached profiles)
         chat = engine.target.metadata("tokenizer.chat_template") is not None
@@ -102,19 +106,18 @@ def bench(
             return model_sha256(path) if Path(path).is_file() else "(an MLX directory)"
 
         sha = {engine.target.path: sha256(engine.target.path)}
-        draft_ms = {}  # config label -> a draft model's ms per drafted token (its own T(1))
+        draft_cost = {}  # config label -> the drafter's cost prior (a draft model's own T(1) per token)
         for name, d in drafters.items():
-            dm = getattr(d, "model", None)
-            if dm is not None:
-                sha[dm.path] = sha256(dm.path)
-                t1 = _cached_t1(profile_path(dm))
-                t1 = t1 if t1 is not None else time_forward(dm, [1], 5)[1]
-                draft_ms.update({c.label: t1 for c in configs if c.drafter == name})
+            if d is None:
+                continue
+            sha.update({p: sha256(p) for p in d.paths})
+            if (cost := d.cost_prior(note=ui.status)) is not None:
+                draft_cost.update({c.label: cost for c in configs if c.drafter == name})
         t_fwd = _cached_profile(profile_path(engine.target))
         if t_fwd is None:
             ui.status(f"no cost profile for this target/threads: run `edgespec profile --model {target} "
                       f"--threads {threads}` to get efficiency figures")
-        summary = summarize(runs, t_fwd, draft_ms)
+        summary = summarize(runs, t_fwd, draft_cost)
         out.mkdir(parents=True, exist_ok=True)
         meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]), target=engine.target.path,
                     threads=threads, env=environment(), sha256=sha, configs=[c.label for c in configs],
@@ -148,12 +151,7 @@ def bench(
 
 
 def _cached_profile(path: Path | None) -> dict[int, float] | None:
-    from edgespec.bench.profile import load_profile
+    from edgespec.calibration import load_profile
 
     prof = load_profile(path)
     return prof.t_forward_ms if prof else None
-
-
-def _cached_t1(path: Path | None) -> float | None:
-    t = _cached_profile(path)
-    return t[1] if t else None

@@ -21,12 +21,15 @@ def convert(
         "--bits", help="Width (4 or 8) for quantized types MLX cannot hold as they are (Q6_K, Q5_K, ...); "
                        "Q4_0/Q4_1/Q8_0/Q4_K stay as they are, F32/F16 stay float.")] = 8,
 ) -> None:
-    """Convert a GGUF model for another runtime (quantized weights stay quantized where MLX can hold them)."""
+    """Convert a GGUF model for another runtime (--to mlx).
+
+    Quantized weights stay quantized where MLX can hold them.
+    """
     from edgespec.cli import ui
 
     if to not in _TARGETS:
         raise EdgespecError(f"--to must be one of {', '.join(_TARGETS)} (got {to!r})")
-    from edgespec.backends.mlx import import_mlx
+    from edgespec.backends.deps import import_mlx
     from edgespec.backends.mlx_convert import convert_gguf
     from edgespec.models import resolve_model
 

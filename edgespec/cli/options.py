@@ -42,7 +42,7 @@ class RunOptions:
 
     def check(self) -> None:
         """Reject bad values before any model is loaded."""
-        from edgespec.api import BACKENDS
+        from edgespec.drafters.registry import BACKENDS
         from edgespec.engine import check_num_draft
         from edgespec.sampling import SamplingParams
 

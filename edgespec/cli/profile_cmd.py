@@ -21,31 +21,32 @@ def profile(
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-measure T(k) even if cached.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG of T(k)/T(1) (needs matplotlib).")] = None,
 ) -> None:
-    """Measure the target's forward time T(k) with logits for all k rows (what verification pays),
-    the drafter's cost, its acceptance on one bench task per category (greedy, γ = K−1), and the
-    ideal speedup E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)) for each γ, taken over the recorded cycles
-    truncated to γ (a drafter that proposes fewer tokens pays a shorter verification). T(k) is cached per model, threads and version."""
-    import llama_cpp
+    """Measure T(k), a drafter's cost and acceptance, ideal speedups.
 
-    from edgespec.api import make_drafter, open_backend
+    Measures the target's forward time T(k) with logits for all k rows (what
+    verification pays), the drafter's cost, its acceptance on one bench task
+    per category (greedy, γ = K−1), and the ideal speedup E[τ(γ)]·T(1) /
+    (T_draft(γ) + T(γ+1)) for each γ, taken over the recorded cycles
+    truncated to γ (a drafter that proposes fewer tokens pays a shorter
+    verification). T(k) is cached per model, threads and version.
+    """
     from edgespec.backends.llama_cpp import default_threads
-    from edgespec.bench.profile import (
+    from edgespec.bench.profile import expected_tau, ideal_speedup_at
+    from edgespec.bench.tasks import load_tasks
+    from edgespec.calibration import (
+        backend_version,
         context_cost,
-        expected_tau,
-        ideal_speedup_at,
         load_profile,
         profile_path,
         save_profile,
         time_forward,
     )
-    from edgespec.bench.tasks import load_tasks
-    from edgespec.drafters.base import draft_cost_prior
-    from edgespec.drafters.feature_heads import is_feature_head, open_head_target
+    from edgespec.drafters.registry import is_feature_head, open_backend, open_drafter, open_target
     from edgespec.engine import Engine
 
     threads = threads or default_threads()
     target = open_backend(model, threads=threads, n_ctx=2048)
-    version = llama_cpp.__version__
+    version = backend_version(target)
     cached = profile_path(target)
     assert cached is not None
     prof = None if refresh else load_profile(cached)
@@ -65,30 +66,28 @@ def profile(
         ui.status(f"saved {cached}")
     ui.status(f"each cached token adds {1000 * (prof.context_ms or 0.0):.2f} µs to every verified token "
               "(attention; the scheduler adds it to T(k) for the context at hand)")
-    if drafter not in ("none", "ngram") and is_feature_head(drafter):
+    if is_feature_head(drafter):
         # T(k) above is the plain target's; a head drafts from features, so acceptance runs on a
         # target that captures them
         target.close()
-        target = open_head_target(model, drafter, threads=threads, n_ctx=2048)
-    engine = Engine(target, make_drafter(None if drafter == "none" else drafter, target, threads=threads,
-                                         n_ctx=2048))
+        target = open_target(model, drafter, threads=threads, n_ctx=2048)
+    engine = Engine(target, open_drafter(drafter, target, threads=threads, n_ctx=2048))
     try:
         gammas = [g for g in range(0, max_k) if g + 1 in prof.t_forward_ms]
         rows_tau, ideal, mean_draft = {0: 1.0}, {0: 1.0}, {0: 0.0}
         if engine.drafter is not None:
             prof.draft_kind = engine.drafter.name
-            dm = getattr(engine.drafter, "model", None)
-            if dm is not None:  # a draft model pays one forward per drafted token
-                prof.draft_per_token_ms = time_forward(dm, [1], repeats)[1]
-            elif (cost := draft_cost_prior(engine.drafter)) is not None:  # a head: chain steps or one block
+            # a draft model pays its own T(1) per drafted token, a head chain steps or one block
+            if (cost := engine.drafter.cost_prior(note=ui.status)) is not None:
                 prof.draft_fixed_ms, prof.draft_per_token_ms = cost.fixed_ms, cost.per_token_ms
                 t1 = prof.t_forward_ms[1]
-                if cost.block:
-                    n = engine.drafter.head.block_size - 1
-                    ui.status(f"head: a block of {n} drafts costs {prof.t_draft(n):.2f} ms = {prof.t_draft(n) / t1:.1%} "
-                              f"of the target's T(1) ({cost.fixed_ms:.2f} ms fixed + {cost.per_token_ms:.3f} ms per row)")
+                if cost.block and cost.max_block is not None:
+                    n = cost.max_block
+                    ui.status(f"{prof.draft_kind}: a block of {n} drafts costs {prof.t_draft(n):.2f} ms = "
+                              f"{prof.t_draft(n) / t1:.1%} of the target's T(1) ({cost.fixed_ms:.2f} ms fixed + "
+                              f"{cost.per_token_ms:.3f} ms per row)")
                 else:
-                    ui.status(f"head: {cost.per_token_ms:.2f} ms per drafted token = "
+                    ui.status(f"{prof.draft_kind}: {cost.per_token_ms:.2f} ms per drafted token = "
                               f"{cost.per_token_ms / t1:.1%} of the target's T(1)")
             g_max = max(gammas)
             tasks = list({t.category: t for t in reversed(load_tasks())}.values())  # the first of each category

@@ -47,7 +47,12 @@ def train_head(
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Feature cache and checkpoints "
                                                                      "(default $EDGESPEC_HOME/train/<target>).")] = None,
 ) -> None:
-    """Train a speculative-decoding head for TARGET by self-distillation and write it as a GGUF."""
+    """Train a feature head for a target by self-distillation.
+
+    Trains a speculative-decoding head (EAGLE-3, DFlash or DSpark) for the
+    --target model on its own greedy continuations and writes it as a GGUF
+    (needs the `train` extra: torch).
+    """
     from edgespec.cli import ui
 
     if kind not in _KINDS:

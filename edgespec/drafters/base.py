@@ -9,13 +9,13 @@ lower acceptance; verification keeps the output exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.sampling import SamplingParams
+from edgespec.sampling import SamplingParams, process, sample
 
 
 @dataclass
@@ -36,14 +36,61 @@ def confidence(logits: npt.NDArray[np.float32], q: npt.NDArray[np.float64] | Non
     return float(q.max()) if q is not None else float(1.0 / np.exp(logits - logits.max()).sum())
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (how much of a cache synced to `a` serves `b`)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class Chain:
+    """A draft drawn position by position from a neural drafter's logits: greedy takes the argmax,
+    sampling draws from the processed distribution (sampling.process, as for the target) and keeps
+    those q rows."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator,
+                 stop: Callable[[Sequence[float]], bool] | None) -> None:
+        self.params, self.rng, self.stop = params, rng, stop
+        self.tokens: list[int] = []
+        self.rows: list[npt.NDArray[np.float64]] = []
+        self.conf: list[float] = []
+
+    def step(self, logits: npt.NDArray[np.float32], conf: float | None = None) -> int | None:
+        """Draw the next token from `logits` (V,), or None when `stop` refuses this position (asked
+        with its confidence: `conf`, or derived from the logits by `confidence`)."""
+        q = None if self.params.greedy else process(logits, self.params)  # (V,)
+        self.conf.append(confidence(logits, q) if conf is None else conf)
+        if self.stop is not None and self.stop(self.conf):
+            self.conf.pop()
+            return None
+        x = int(np.argmax(logits)) if q is None else sample(q, self.rng)
+        self.tokens.append(x)
+        if q is not None:
+            self.rows.append(q)
+        return x
+
+    def draft(self, synced: int) -> Draft:
+        """The Draft drawn so far (q: (γ, V), None when greedy: one-hot)."""
+        return Draft(self.tokens, np.stack(self.rows) if self.rows else None, self.conf, synced)
+
+
 class Drafter(Protocol):
     name: str
+    paths: tuple[str, ...]  # the model/head files it drafts with (none for n-gram lookup)
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         """Propose at most `gamma` tokens to follow `context`. A drafter with confidences calls
         `stop(confidences)` once it knows the next position's confidence and before drawing its
         token, and drafts no more when it returns True (the scheduler's marginal gain vs cost rule)."""
+        ...
+
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost | None:
+        """What drafting costs, measured once (the scheduler's prior; refined from the cycles it
+        sees), or None for a drafter too cheap to price. May use the drafter's own caches; leaves
+        them reset. `note` hears of timing that takes long."""
+        ...
+
+    def reset(self) -> None:
+        """Forget any cached context (the next draft syncs from scratch)."""
         ...
 
     def close(self) -> None: ...
@@ -57,13 +104,72 @@ class DraftCost:
     fixed_ms: float
     per_token_ms: float
     block: bool = False
+    # a block drafter's most drafts per forward (B − 1); describes the drafter, not its price
+    max_block: int | None = field(default=None, compare=False)
 
 
-def draft_cost_prior(drafter: object) -> DraftCost | None:
-    """The drafter's cost prior for the scheduler: its `measure_draft_cost()` when it has one (block
-    drafters), else a chain of `measure_ms_per_token()` steps, else None (not measurable here)."""
-    measure = getattr(drafter, "measure_draft_cost", None)
-    if measure is not None:
-        return measure()
-    per_token = getattr(drafter, "measure_ms_per_token", None)
-    return DraftCost(0.0, per_token()) if per_token is not None else None
+@runtime_checkable
+class FeatureTarget(Protocol):
+    """A target that keeps one row of features per evaluated position, the layers a feature head
+    reads concatenated (LlamaFeatureBackend, MlxFeatureBackend, ReferenceFeatureBackend)."""
+
+    path: str
+    n_ctx: int
+    n_embd: int  # H_t, the width of one layer's features
+    feature_layers: tuple[int, ...]
+
+    @property
+    def n_past(self) -> int: ...
+
+    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A head runner that holds native resources (the libllama heads) and must be closed."""
+
+    def close(self) -> None: ...
+
+
+class HeadRunner(Protocol):
+    """What every feature-head runner has: a KV cache of head positions that can be rolled back."""
+
+    @property
+    def n_past(self) -> int: ...
+
+    def truncate(self, n_past: int) -> None: ...
+
+
+class HeadDrafter:
+    """What the feature-head drafters (EagleDrafter, DFlashDrafter) share: a head runner whose cache
+    is synced to each call's context by common prefix, reading a target's features.
+
+    Args:
+        head: the head runner (its logits must span the target's vocabulary).
+        target: the target whose features the head reads; the engine keeps its KV cache at the
+            context minus the pending token.
+        path: the head file (for `paths`; "" for an in-memory head).
+    """
+
+    name = "head"
+
+    def __init__(self, head: HeadRunner, target: FeatureTarget, path: str = "") -> None:
+        self.head, self.target = head, target
+        self.paths = (path,) if path else ()
+        self._ctx: list[int] = []  # the context tokens the head's cache was synced to
+        self._synced = 0
+
+    def _make_room(self, n: int) -> None:
+        """Forget the cached context unless `n` more positions fit after it (timing on scratch
+        positions; a libllama head's context is the target's size)."""
+        if self.head.n_past + n > self.target.n_ctx:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget the head's cached context."""
+        self._ctx = []
+        self.head.truncate(0)
+
+    def close(self) -> None:
+        if isinstance(self.head, Closable):  # numpy and MLX heads hold nothing to free
+            self.head.close()

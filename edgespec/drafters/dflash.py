@@ -16,25 +16,19 @@ rejection, full acceptance and new prompts need no special case. The block's own
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, DraftCost, confidence
-from edgespec.drafters.eagle import FeatureTarget
-from edgespec.drafters.feature_heads import check_feature_target, head_arch, head_meta, open_feature_target
-from edgespec.errors import EdgespecError, ModelLoadError
-from edgespec.sampling import SamplingParams, process, sample
+from edgespec.drafters.base import Chain, Draft, DraftCost, HeadDrafter, common_prefix
+from edgespec.errors import EdgespecError
+from edgespec.sampling import SamplingParams
 
 F32 = npt.NDArray[np.float32]
-HeadImpl = Literal["auto", "numpy", "llama", "mlx"]
 
 
 class DFlashRunner(Protocol):
@@ -56,23 +50,15 @@ class DFlashRunner(Protocol):
     def block_logits(self, tokens: Sequence[int]) -> F32: ...
 
 
-class DFlashDrafter:
+class DFlashDrafter(HeadDrafter):
     """Block drafting with a DFlash head: greedy takes each block row's argmax, sampling draws each
     position from its processed distribution (sampling.process, as for the target) and returns
-    those q rows.
-
-    Args:
-        head: the head (its logits must span the target's vocabulary).
-        target: the target backend whose features the head reads; the engine keeps its KV cache at
-            the context minus the pending token, which is what `sync` needs.
+    those q rows. Constructed as HeadDrafter(head, target, path); `_ctx` holds the tokens of head
+    positions 0..n_past-1.
     """
 
     name = "dflash"
-
-    def __init__(self, head: DFlashRunner, target: FeatureTarget) -> None:
-        self.head, self.target = head, target
-        self._ctx: list[int] = []  # the tokens of head positions 0..n_past-1
-        self._synced = 0
+    head: DFlashRunner
 
     def sync(self, context: Sequence[int]) -> None:
         """Bring the head's context cache to the features of `context` minus its last token."""
@@ -80,12 +66,7 @@ class DFlashDrafter:
         if self.target.n_past < n:
             raise EdgespecError(f"the DFlash drafter needs target features of the {n} context tokens before "
                                 f"the last, but the target has evaluated {self.target.n_past}")
-        common = 0
-        for a, b in zip(self._ctx, context):
-            if a != b:
-                break
-            common += 1
-        keep = max(0, min(common, n, self.head.n_past))
+        keep = max(0, min(common_prefix(self._ctx, context), n, self.head.n_past))
         self.head.truncate(keep)
         self._ctx = list(context[:keep])
         if keep < n:
@@ -101,22 +82,13 @@ class DFlashDrafter:
             return Draft([])
         self.sync(context)
         row = self._rows(context[-1], n)
-        tokens: list[int] = []
-        q_rows: list[npt.NDArray[np.float64]] = []
-        conf: list[float] = []
-        prev = context[-1]
+        chain, prev = Chain(params, rng, stop), context[-1]
         for i in range(n):
-            logits, head_conf = row(i, prev)
-            q = None if params.greedy else process(logits, params)
-            conf.append(confidence(logits, q) if head_conf is None else head_conf)
-            if stop is not None and stop(conf):
-                conf.pop()
+            x = chain.step(*row(i, prev))
+            if x is None:
                 break
-            prev = int(np.argmax(logits)) if q is None else sample(q, rng)
-            tokens.append(prev)
-            if q is not None:
-                q_rows.append(q)
-        return Draft(tokens, np.stack(q_rows) if q_rows else None, conf, self._synced)
+            prev = x
+        return chain.draft(self._synced)
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
         """Run the block of `n` drafts after `anchor`; returns row(i, prev): the logits (V,) of draft
@@ -138,15 +110,12 @@ class DFlashDrafter:
         g = self.head.block_size - 1
         one = self._time_block(1, repeats)
         per_token = max(0.0, (self._time_block(g, repeats) - one) / (g - 1)) if g > 1 else 0.0
-        return DraftCost(max(0.0, one - per_token), per_token, block=True)
+        return DraftCost(max(0.0, one - per_token), per_token, block=True, max_block=g)
 
     def _time_block(self, g: int, repeats: int) -> float:
         """Median ms of a block of g + 1 tokens and its argmaxes, timed after the cached context;
         the block leaves the cache as it was."""
-        n_ctx = getattr(self.head, "n_ctx", None)  # the libllama head's context
-        if n_ctx is not None and self.head.n_past + g + 1 > n_ctx:
-            self._ctx = []  # no room after the cached context: forget it
-            self.head.truncate(0)
+        self._make_room(g + 1)
         tokens = self.head.block_tokens(0, g + 1)
         times = []
         for _ in range(repeats + 1):
@@ -155,117 +124,6 @@ class DFlashDrafter:
             times.append(time.perf_counter() - t0)
         return 1000 * statistics.median(times[1:])  # the first call warms caches
 
-    def close(self) -> None:
-        close = getattr(self.head, "close", None)
-        if close is not None:
-            close()
-
-
-# -- opening a head file ------------------------------------------------------------------------------
-
-
-def is_dflash_head(path: str | os.PathLike) -> bool:
-    """Whether `path` is a GGUF file whose general.architecture is "dflash" (reads the header only)."""
-    return head_arch(path) == "dflash"
-
-
-def dflash_target_layers(path: str | os.PathLike) -> tuple[int, ...]:
-    """The target layer ids a DFlash head reads (dflash.target_layers: llama.cpp extract ids, the
-    INPUT of each target layer, as the feature backends take them)."""
-    layers = head_meta(path, "dflash").value("dflash.target_layers")
-    if not layers:
-        raise ModelLoadError(f"{path} is not a usable DFlash head: dflash.target_layers is {layers!r}")
-    return tuple(int(x) for x in layers)
-
-
-def open_dflash_target(target: str | os.PathLike, head: str | os.PathLike, backend: str = "llama.cpp",
-                       **options: Any) -> Backend:
-    """Open a target that captures the features `head` reads (LlamaFeatureBackend, or
-    MlxFeatureBackend with backend="mlx"): its layers, refused unless the target's hidden size is
-    the head's (llama.cpp's dflash requires H == H_t) and the ids are in 1..n_layer−1.
-
-    Args:
-        target: the target GGUF path or known model name (on "mlx" also an mlx-lm directory).
-        head: the DFlash head GGUF.
-        backend: "llama.cpp" or "mlx".
-        **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
-    """
-    hidden = head_meta(head, "dflash").value("dflash.embedding_length")
-    return open_feature_target(target, head, "dflash", dflash_target_layers(head), hidden, backend, **options)
-
-
-def check_dflash_head(head: str | os.PathLike, target: Backend) -> None:
-    """Raise a one-line error unless `head` was made for `target`: a target that captures the head's
-    layers, hidden size == the head's, the same vocabulary size and token texts."""
-    f = head_meta(head, "dflash")
-    check_feature_target(f, "dflash", head, target, f.value("dflash.embedding_length"))
-
-
-def open_dflash_drafter(head: str | os.PathLike, target: Backend, *, impl: HeadImpl = "auto",
-                        threads: int | None = None) -> DFlashDrafter:
-    """A DFlashDrafter for `head` on `target` (opened by open_dflash_target), after check_dflash_head;
-    a DSparkDrafter when the head has DSpark's Markov head (markov_w1.weight).
-
-    Args:
-        head: the DFlash head GGUF.
-        target: the feature target.
-        impl: "llama" runs the head on libllama (LlamaDFlashHead, tested equal to numpy), "mlx" on MLX
-            (MlxDFlashHead, tested equal to numpy; token embeddings / LM head the head lacks are an
-            MLX target's own weights), "numpy" on the numpy reference (those read from the target's
-            GGUF); "auto" takes libllama for a llama.cpp target, MLX for an MLX target, numpy
-            otherwise. A DSpark head's Markov head runs in numpy on every impl.
-        threads: CPU threads of the libllama head (default: the target's).
-    """
-    from edgespec.backends.llama_cpp import LlamaCppBackend
-    from edgespec.backends.mlx import MlxBackend
-
-    if impl not in ("auto", "numpy", "llama", "mlx"):
-        raise ValueError(f"impl must be 'auto', 'numpy', 'llama' or 'mlx' (got {impl!r})")
-    check_dflash_head(head, target)
-    from edgespec.heads.dflash_gguf import read_dflash_gguf
-    from edgespec.heads.dspark import MarkovHead
-
-    on_llama = impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend))
-    on_mlx = impl == "mlx" or (impl == "auto" and isinstance(target, MlxBackend))
-    dspark = "markov_w1.weight" in head_meta(head, "dflash").tensors
-    if dspark or not on_llama:  # the libllama DSpark head needs the Markov weights host-side too
-        config, tensors = read_dflash_gguf(Path(head).expanduser())
-    markov = MarkovHead(config, tensors) if dspark else None
-    runner: DFlashRunner
-    if on_llama:
-        from edgespec.heads.dflash_llama import LlamaDFlashHead
-
-        if not isinstance(target, LlamaCppBackend):
-            raise EdgespecError(f"the libllama DFlash head needs a llama.cpp target (got {target.name})")
-        runner = LlamaDFlashHead(head, target, threads=threads, markov=markov)
-    else:
-        embd = output = None
-        if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
-            embd, output = _target_matrices(target, on_mlx, need_output="output.weight" not in tensors)
-        if on_mlx:
-            from edgespec.heads.dflash_mlx import MlxDFlashHead
-
-            runner = MlxDFlashHead(config, tensors, tok_embd=embd, output=output)
-        else:
-            from edgespec.heads.dflash import DFlashHead
-
-            runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
-    if markov is None:
-        return DFlashDrafter(runner, target)
-    from edgespec.drafters.dspark import DSparkDrafter
-
-    return DSparkDrafter(runner, target, markov)  # type: ignore[arg-type]  # both heads have forward_block
-
-
-def _target_matrices(target: Backend, as_mx: bool, need_output: bool) -> tuple[Any, Any]:
-    """The target's token embeddings (V, H) and, if `need_output`, its LM head (V, H) (else None):
-    an MLX feature target's own mx weights for the MLX head (no copies), else its GGUF's tensors."""
-    if as_mx and hasattr(target, "lm_head_weights"):
-        return target.token_embeddings(), (target.lm_head_weights() if need_output else None)
-    from edgespec.heads.gguf_io import read_gguf
-
-    t = read_gguf(target.path)
-    embd = t.tensor("token_embd.weight")
-    if not need_output:
-        return embd, None
-    return embd, (t.tensor("output.weight") if "output.weight" in t.tensors else embd)
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
+        """The scheduler's prior: `measure_draft_cost()` (one block forward: mostly fixed)."""
+        return self.measure_draft_cost()

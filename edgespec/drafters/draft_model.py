@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, confidence
+from edgespec.drafters.base import Draft, DraftCost, common_prefix, confidence
 from edgespec.errors import ContextOverflowError, VocabMismatchError
 from edgespec.sampling import SamplingParams, process, sample
 
@@ -55,15 +55,12 @@ class DraftModelDrafter:
     def __init__(self, model: Backend, n_vocab_target: int) -> None:
         self.model = model
         self.n_vocab = n_vocab_target
+        self.paths = (model.path,)
         self._kv: list[int] = []  # tokens in the draft model's KV cache
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
-        n_keep = 0
-        for a, b in zip(self._kv, context[:-1]):  # keep ≥ 1 token to evaluate for fresh logits
-            if a != b:
-                break
-            n_keep += 1
+        n_keep = common_prefix(self._kv, context[:-1])  # keep ≥ 1 token to evaluate for fresh logits
         self.model.truncate(n_keep)
         self._kv = list(context[:n_keep])
         tokens, rows, conf = [], [], []
@@ -85,6 +82,15 @@ class DraftModelDrafter:
         except ContextOverflowError:
             pass  # draft what fits; the target checks the context limit itself
         return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None, conf, synced)
+
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
+        """The scheduler's prior: a draft model pays about its own T(1) per drafted token (timed
+        once per model and cached with its cost profile)."""
+        from edgespec import calibration
+
+        t1 = calibration.calibrate(self.model, ks=(1,), budget_s=0.5, note=note)[1]
+        self.reset()  # timing used the draft model's KV cache
+        return DraftCost(0.0, t1)
 
     def reset(self) -> None:
         """Forget the cached context (after something else used the model's KV cache)."""

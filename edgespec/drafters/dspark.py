@@ -13,13 +13,13 @@ confidence, which is what the scheduler's `stop` rule reads; it depends on x̃_{
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.drafters.base import FeatureTarget
 from edgespec.drafters.dflash import DFlashDrafter, DFlashRunner
-from edgespec.drafters.eagle import FeatureTarget
 from edgespec.heads.dspark import MarkovHead
 
 F32 = npt.NDArray[np.float32]
@@ -33,6 +33,14 @@ class DSparkRunner(DFlashRunner, Protocol):
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]: ...
 
 
+@runtime_checkable
+class ChainedBlockRunner(Protocol):
+    """A DSpark runner whose block rows already carry llama.cpp's greedy-chain Markov bias
+    (heads.dflash_llama.LlamaDFlashHead): it returns them with the chain they were biased by."""
+
+    def chained_block(self, tokens: Sequence[int]) -> tuple[F32, F32, list[int]]: ...
+
+
 class DSparkDrafter(DFlashDrafter):
     """Chain drafting with a DSpark head (see the module docstring).
 
@@ -40,20 +48,20 @@ class DSparkDrafter(DFlashDrafter):
         head: the DFlash backbone (its ``forward_block`` logits are the unbiased z_r).
         target: the feature target, as for DFlashDrafter.
         markov: the head's Markov (and confidence) head.
+        path: the head file.
     """
 
     name = "dspark"
+    head: DSparkRunner
 
-    def __init__(self, head: DSparkRunner, target: FeatureTarget, markov: MarkovHead) -> None:
-        super().__init__(head, target)
-        self.head: DSparkRunner = head
+    def __init__(self, head: DSparkRunner, target: FeatureTarget, markov: MarkovHead, path: str = "") -> None:
+        super().__init__(head, target, path)
         self.markov = markov
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
         tokens = self.head.block_tokens(anchor, n + 1)
-        chained = getattr(self.head, "chained_block", None)
-        if chained is not None:  # libllama: rows carry llama.cpp's greedy-chain bias; swap it only where prev differs
-            z, h, chain = chained(tokens)
+        if isinstance(self.head, ChainedBlockRunner):  # libllama rows carry llama.cpp's chain bias: swap it where prev differs
+            z, h, chain = self.head.chained_block(tokens)
             return lambda i, prev: (self.markov.apply(z[i + 1], prev, old=chain[i]), self.markov.confidence(h[i + 1], prev))
         z, h = self.head.forward_block(tokens)  # (n+1, V) base logits, (n+1, H)
         return lambda i, prev: (self.markov.apply(z[i + 1], prev), self.markov.confidence(h[i + 1], prev))

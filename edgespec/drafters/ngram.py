@@ -22,7 +22,7 @@ class NgramDrafter:
     rebuilds it."""
 
     name = "ngram"
-    model = None  # no model: drafting costs next to nothing
+    paths: tuple[str, ...] = ()  # no model: drafting costs next to nothing
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         if not 1 <= n_min <= n_max:
@@ -70,6 +70,13 @@ class NgramDrafter:
                 s = int(starts[-1]) + n  # continuation begins right after the match
                 return ctx[s: min(s + gamma, L)].tolist()
         return []
+
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> None:
+        """None: a lookup costs microseconds, nothing the scheduler needs to price."""
+        return None
+
+    def reset(self) -> None:
+        """Nothing to forget: the lookup reads the context it is given."""
 
     def close(self) -> None:
         pass

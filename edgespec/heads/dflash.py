@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.eagle3 import attention, rms_norm, silu
 from edgespec.heads.eagle3 import random_tensors as random_tensors  # DFlashConfig heads too (re-exported)
+from edgespec.heads.numpy_ops import attention, mm, rms_norm, rope_neox, silu
 
 F32 = npt.NDArray[np.float32]
 _LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -149,24 +149,6 @@ class DFlashConfig:
                 raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
 
 
-def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
-    """ggml_rope_ext in NeoX mode (LLAMA_ROPE_TYPE_NEOX): rotate pairs (x[i], x[i + n_rot/2]) by
-    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
-    half = n_rot // 2
-    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    out = x.astype(np.float64).copy()
-    x0, x1 = out[..., :half].copy(), out[..., half:n_rot].copy()
-    out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:n_rot] = x0 * sin + x1 * cos
-    return out.astype(np.float32)
-
-
-def _mm(x: npt.NDArray, w: F32) -> F32:
-    """x · wᵀ in float64, as float32 (w in GGUF/numpy layout: (out, in))."""
-    return (np.asarray(x, np.float64) @ w.T.astype(np.float64)).astype(np.float32)
-
-
 class DFlashBlocks(ABC):
     """What every in-process DFlash head derives from its ``config`` and ``forward_block``: the block
     layout, its validation and greedy drafting (DFlashHead here, heads.dflash_mlx.MlxDFlashHead)."""
@@ -252,6 +234,9 @@ class DFlashHead(DFlashBlocks):
         """Target positions whose features are in the context KV cache."""
         return len(self._k[0])
 
+    def close(self) -> None:
+        """Nothing to free (the arrays go with the object); LlamaDFlashHead frees its handles."""
+
     def truncate(self, n_past: int) -> None:
         """Drop the context entries of positions ≥ n_past (after a rejection)."""
         self._k = [k[:n_past] for k in self._k]
@@ -263,7 +248,7 @@ class DFlashHead(DFlashBlocks):
         f = np.asarray(features, np.float32)
         if f.ndim != 2 or f.shape[1] != c.n_embd_enc:
             raise ValueError(f"features must be (n, {c.n_embd_enc}) (got {f.shape})")
-        return rms_norm(_mm(f, t["fc.weight"]), t["enc.output_norm.weight"], c.rms_eps)
+        return rms_norm(mm(f, t["fc.weight"]), t["enc.output_norm.weight"], c.rms_eps)
 
     def inject(self, features: F32) -> F32:
         """Append target positions n_past.. to the context cache (llama.cpp's embd-batch decode):
@@ -273,9 +258,9 @@ class DFlashHead(DFlashBlocks):
         n = len(g)
         pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
         for i in range(c.n_layer):
-            k = _mm(g, t[f"blk.{i}.attn_k.weight"]).reshape(n, c.n_head_kv, c.head_dim)
+            k = mm(g, t[f"blk.{i}.attn_k.weight"]).reshape(n, c.n_head_kv, c.head_dim)
             k = rope_neox(rms_norm(k, t[f"blk.{i}.attn_k_norm.weight"], c.rms_eps), pos, c.n_rot, c.rope_base)
-            v = _mm(g, t[f"blk.{i}.attn_v.weight"]).reshape(n, c.n_head_kv, c.head_dim)
+            v = mm(g, t[f"blk.{i}.attn_v.weight"]).reshape(n, c.n_head_kv, c.head_dim)
             self._k[i], self._v[i] = np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v])
         return g
 
@@ -301,20 +286,20 @@ class DFlashHead(DFlashBlocks):
         for i in range(c.n_layer):
             w = {k: t[f"blk.{i}.{k}.weight"] for k in _LAYER}
             u = rms_norm(x, w["attn_norm"], c.rms_eps)
-            q = rms_norm(_mm(u, w["attn_q"]).reshape(b, c.n_head, c.head_dim), w["attn_q_norm"], c.rms_eps)
-            k = rms_norm(_mm(u, w["attn_k"]).reshape(b, c.n_head_kv, c.head_dim), w["attn_k_norm"], c.rms_eps)
-            v = _mm(u, w["attn_v"]).reshape(b, c.n_head_kv, c.head_dim)
+            q = rms_norm(mm(u, w["attn_q"]).reshape(b, c.n_head, c.head_dim), w["attn_q_norm"], c.rms_eps)
+            k = rms_norm(mm(u, w["attn_k"]).reshape(b, c.n_head_kv, c.head_dim), w["attn_k_norm"], c.rms_eps)
+            v = mm(u, w["attn_v"]).reshape(b, c.n_head_kv, c.head_dim)
             q, k = rope_neox(q, pos, c.n_rot, c.rope_base), rope_neox(k, pos, c.n_rot, c.rope_base)
             a = attention(q, np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v]), pos, kpos,
                           scale, c.causal)
-            a = _mm(a, w["attn_output"])
+            a = mm(a, w["attn_output"])
             if c.value_scale:
                 a = (a * np.float32(c.value_scale)).astype(np.float32)
             r = (a.astype(np.float64) + x).astype(np.float32)
             y = rms_norm(r, w["ffn_norm"], c.rms_eps)
-            ff = silu(_mm(y, w["ffn_gate"])) * _mm(y, w["ffn_up"])
-            x = (_mm(ff, w["ffn_down"]).astype(np.float64) + r).astype(np.float32)
+            ff = silu(mm(y, w["ffn_gate"])) * mm(y, w["ffn_up"])
+            x = (mm(ff, w["ffn_down"]).astype(np.float64) + r).astype(np.float32)
         h = rms_norm(x, t["output_norm.weight"], c.rms_eps)
         logits = np.full((b, c.n_vocab), -np.inf, np.float32)
-        logits[:, self.d2t] = _mm(h, self.lm_head)
+        logits[:, self.d2t] = mm(h, self.lm_head)
         return logits, h

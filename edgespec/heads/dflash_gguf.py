@@ -1,4 +1,4 @@
-"""GGUF files for DFlash heads in llama.cpp's dflash layout (shares the reader of ``gguf_io``).
+"""GGUF files for DFlash heads in llama.cpp's dflash layout (shares ``gguf_io``'s head-file writer).
 
 Layout (vendored llama.cpp 0.3.36: src/models/dflash.cpp load_arch_hparams/load_arch_tensors,
 src/llama-arch.cpp, conversion/qwen.py DFlashModel, common/speculative.cpp): architecture
@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy.typing as npt
 
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dspark import MARKOV_TENSORS, MARKOV_W1
-from edgespec.heads.gguf_io import WEIGHT_TYPES, finish_head_file, read_gguf, start_head_file
+from edgespec.heads.gguf_io import WEIGHT_TYPES, finish_head_file, start_head_file
 
 # fc reads the raw fused target features, whose outlier dimensions exceed float16's range on real
 # targets (Gemma-3-270M: |x| up to ~1e5); ggml's CPU matmul converts the activations to the weight's
@@ -114,13 +115,7 @@ def read_dflash_gguf(path: str | Path) -> tuple[DFlashConfig, dict[str, npt.NDAr
     act = f.value(f"{ARCH}.hidden_activation", "silu")
     if act != "silu":
         raise ValueError(f"{path} has hidden_activation={act!r}; edgespec's DFlash reference implements silu only")
-
-    def key(k: str, default: Any = None) -> Any:
-        v = f.value(f"{ARCH}.{k}", default)
-        if v is None:
-            raise ValueError(f"{path} lacks {ARCH}.{k}")
-        return v
-
+    key = f.arch_value
     mask = f.value(MASK_KEY)
     if mask is None:
         raise ValueError(f"{path} lacks {MASK_KEY} (the block's MASK token)")

@@ -38,8 +38,8 @@ import numpy as np
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError, ModelLoadError
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.dspark import MarkovHead
-from edgespec.heads.gguf_io import read_gguf
 from edgespec.heads.llama_head import DECODE, F32, LlamaHeadContext
 
 

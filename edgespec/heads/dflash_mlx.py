@@ -18,48 +18,41 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.mlx import import_mlx
 from edgespec.heads.dflash import DFlashBlocks, DFlashConfig
 from edgespec.heads.mlx_ops import (
+    MlxHeadWeights,
     merge_heads,
     mx_matrix,
     silu_ffn,
     split_heads,
     to_target_vocab,
-    transposed_weights,
 )
 
 F32 = npt.NDArray[np.float32]
 
 
-class MlxDFlashHead(DFlashBlocks):
+class MlxDFlashHead(MlxHeadWeights, DFlashBlocks):
     """The DFlash head on MLX, with its context KV cache (target positions 0..n_past−1).
 
     Args:
-        config: hyperparameters.
-        tensors: GGUF tensor name → array (see ``DFlashConfig.shapes``); ``d2t`` int64.
-        tok_embd: the target's token embeddings (V, H), numpy or mx (an MLX target's own weight is
-            used without a copy: MlxFeatureBackend.token_embeddings), used when ``tensors`` has no
-            ``token_embd.weight``.
+        config, tensors, tok_embd: a DFlashConfig, its tensors (see ``DFlashConfig.shapes``) and the
+            target's token embeddings, as for heads.mlx_ops.MlxHeadWeights.
         output: the target's LM head (V, H), numpy or mx (used without a copy), used when
             ``tensors`` has neither ``output.weight`` nor ``token_embd.weight`` (llama.cpp ties
             output to an own token_embd).
     """
 
+    config: DFlashConfig
+
     def __init__(self, config: DFlashConfig, tensors: Mapping[str, npt.NDArray],
                  tok_embd: Any = None, output: Any = None) -> None:
-        self._mx = mx = import_mlx()
-        config.check_tensors(tensors)
-        self.config = config
-        self.tok_embd = mx_matrix(mx, tensors.get("token_embd.weight", tok_embd), (config.n_vocab, config.n_embd),
-                                  "token embeddings")
-        self.w = transposed_weights(mx, tensors, skip=("d2t", "token_embd.weight"))  # (in, out)
+        super().__init__(config, tensors, tok_embd)
+        mx = self._mx
         if "output.weight" in self.w:
             self._lm = self.w["output.weight"]  # (H, V_d)
         else:  # a transposed view: the borrowed (or tied) matrix is not copied
             lm = self.tok_embd if "token_embd.weight" in tensors else output
             self._lm = mx_matrix(mx, lm, (config.n_draft_vocab, config.n_embd), "an LM head").T
-        self.d2t = np.asarray(tensors["d2t"], np.int64) if "d2t" in tensors else None
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k = [mx.zeros(kv, mx.float32) for _ in range(config.n_layer)]
         self._v = [mx.zeros(kv, mx.float32) for _ in range(config.n_layer)]
@@ -74,9 +67,6 @@ class MlxDFlashHead(DFlashBlocks):
         if n_past < self.n_past:
             self._k = [k[:, :, :n_past] for k in self._k]
             self._v = [v[:, :, :n_past] for v in self._v]
-
-    def _norm(self, x: Any, name: str) -> Any:
-        return self._mx.fast.rms_norm(x, self.w[name], self.config.rms_eps)
 
     def _heads(self, y: Any, count: int, norm: str | None, p0: int) -> Any:
         """(n, count·d) → (1, count, n, d); with ``norm``: per-head RMSNorm, then RoPE at p0.."""
@@ -113,15 +103,8 @@ class MlxDFlashHead(DFlashBlocks):
         return np.array(g)
 
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
-        """The decoder on a block at positions n_past..n_past+b−1, attending to the whole context
-        cache and the whole block; the cache is left unchanged.
-
-        Args:
-            tokens: b ≤ block_size target ids, normally ``block_tokens(t_last)``.
-
-        Returns:
-            (logits (b, V) with −inf outside the draft vocabulary, the normed hidden (b, H)).
-        """
+        """DFlashHead.forward_block on MLX: (logits (b, V), −inf outside the draft vocabulary; the
+        normed hidden (b, H)) of a block at n_past.., the context cache left unchanged."""
         c, mx, w = self.config, self._mx, self.w
         ids = self.check_block(tokens)
         b, p0 = len(ids), self.n_past

@@ -29,6 +29,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.heads.numpy_ops import attention, rms_norm, rope_norm, silu
+
 F32 = npt.NDArray[np.float32]
 BLK = "blk.0."
 
@@ -122,46 +124,32 @@ def random_tensors(config: Any, seed: int = 0, d2t: npt.NDArray[np.int64] | None
     return out
 
 
-def rms_norm(x: F32, weight: F32, eps: float) -> F32:
-    """ggml_rms_norm then × weight, over the last axis."""
-    x64 = x.astype(np.float64)
-    return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight).astype(np.float32)
+class Eagle3Sizes:
+    """The sizes an in-process EAGLE-3 runner reads from its config (Eagle3Head here,
+    heads.eagle3_mlx.MlxEagle3Head; LlamaEagle3Head has the same attributes from its model)."""
+
+    config: Eagle3Config
+
+    @property
+    def n_embd(self) -> int:
+        """H, the width of g and h."""
+        return self.config.n_embd
+
+    @property
+    def n_embd_tgt(self) -> int:
+        """H_t, the target's hidden size (a feature row is 3·H_t wide)."""
+        return self.config.n_embd_tgt
+
+    @property
+    def n_vocab(self) -> int:
+        """V, the target's vocabulary (the width of the logits)."""
+        return self.config.n_vocab
+
+    def close(self) -> None:
+        """Nothing to free (the arrays go with the object); LlamaEagle3Head frees its handles."""
 
 
-def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
-    """ggml_rope_ext in mode 0 (LLAMA_ROPE_TYPE_NORM): rotate adjacent pairs (x[2i], x[2i+1]) by
-    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
-    i = np.arange(n_rot // 2, dtype=np.float64)
-    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * i / n_rot)  # (n, n_rot/2)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    out = x.astype(np.float64).copy()
-    x0, x1 = out[..., 0:n_rot:2].copy(), out[..., 1:n_rot:2].copy()
-    out[..., 0:n_rot:2] = x0 * cos - x1 * sin
-    out[..., 1:n_rot:2] = x0 * sin + x1 * cos
-    return out.astype(np.float32)
-
-
-def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64],
-              scale: float, causal: bool = True) -> F32:
-    """softmax(scale·q·kᵀ) · v (``causal``: each query sees keys at positions ≤ its own); GQA: query
-    head h reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
-    n, n_head, d = q.shape
-    group = n_head // k.shape[1]
-    kh = np.repeat(k.astype(np.float64), group, axis=1)  # (m, n_head, d)
-    vh = np.repeat(v.astype(np.float64), group, axis=1)
-    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) * scale
-    if causal:
-        s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
-    s = np.exp(s - s.max(axis=-1, keepdims=True))
-    s /= s.sum(axis=-1, keepdims=True)
-    return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
-
-
-def silu(x: F32) -> F32:
-    return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
-
-
-class Eagle3Head:
+class Eagle3Head(Eagle3Sizes):
     """The EAGLE-3 head in numpy, with its own KV cache (positions 0..n_past-1, appended in order).
 
     Args:
@@ -192,22 +180,18 @@ class Eagle3Head:
         """Positions in the head's KV cache."""
         return len(self._k)
 
-    @property
-    def n_embd(self) -> int:
-        """H, the width of g and h (LlamaEagle3Head has the same attributes)."""
-        return self.config.n_embd
-
-    @property
-    def n_embd_tgt(self) -> int:
-        return self.config.n_embd_tgt
-
-    @property
-    def n_vocab(self) -> int:
-        return self.config.n_vocab
-
     def truncate(self, n_past: int) -> None:
         """Drop the KV entries of positions ≥ n_past."""
         self._k, self._v = self._k[:n_past], self._v[:n_past]
+
+    def kv_state(self) -> tuple[F32, F32]:
+        """The KV cache (k, v), each (n_past, n_head_kv, head_dim). The arrays are never written in
+        place, so ``set_kv_state`` of a saved state rewinds the head to it (even past a truncate)."""
+        return self._k, self._v
+
+    def set_kv_state(self, state: tuple[F32, F32]) -> None:
+        """Make ``state`` (from ``kv_state``) the KV cache."""
+        self._k, self._v = state
 
     def encode(self, features: F32) -> F32:
         """fc over target features: (n, 3·H_t) → g (n, H)."""

@@ -45,7 +45,7 @@ class LlamaEagle3Head(LlamaHeadContext):
         if len(self.target_layers) != 3:
             self.close()
             raise ModelLoadError(f"{self.path} is not an EAGLE-3 head (target layers {self.target_layers})")
-        self.n_embd_tgt = self._ll.llama_model_n_embd(target._model)
+        self.n_embd_tgt = self._ll.llama_model_n_embd(target.llama_model)
         self._api.set_nextn(self._ctx, True, True)  # pre-norm rows for the outputs asked for
 
     def encode(self, features: F32) -> F32:

@@ -16,39 +16,24 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.mlx import import_mlx
-from edgespec.heads.eagle3 import BLK, Eagle3Config
-from edgespec.heads.mlx_ops import (
-    merge_heads,
-    mx_matrix,
-    silu_ffn,
-    split_heads,
-    to_target_vocab,
-    transposed_weights,
-)
+from edgespec.heads.eagle3 import BLK, Eagle3Config, Eagle3Sizes
+from edgespec.heads.mlx_ops import MlxHeadWeights, merge_heads, silu_ffn, split_heads, to_target_vocab
 
 F32 = npt.NDArray[np.float32]
 
 
-class MlxEagle3Head:
+class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
     """The EAGLE-3 head on MLX, with its own KV cache (positions 0..n_past-1, appended in order).
 
-    Args:
-        config: hyperparameters.
-        tensors: GGUF tensor name → array (see ``Eagle3Config.shapes``); ``d2t`` int64.
-        tok_embd: the target's token embeddings (V, H), numpy or mx (an MLX target's own weight is
-            used without a copy: MlxFeatureBackend.token_embeddings), used when ``tensors`` has no
-            ``token_embd.weight``.
+    Args: ``config`` (an Eagle3Config), ``tensors`` (see ``Eagle3Config.shapes``) and ``tok_embd``,
+    as for heads.mlx_ops.MlxHeadWeights.
     """
 
+    config: Eagle3Config
+
     def __init__(self, config: Eagle3Config, tensors: Mapping[str, npt.NDArray], tok_embd: Any = None) -> None:
-        self._mx = mx = import_mlx()
-        config.check_tensors(tensors)
-        self.config = config
-        self.tok_embd = mx_matrix(mx, tensors.get("token_embd.weight", tok_embd), (config.n_vocab, config.n_embd),
-                                  "token embeddings")
-        self.w = transposed_weights(mx, tensors, skip=("d2t", "token_embd.weight"))  # (in, out)
-        self.d2t = np.asarray(tensors["d2t"], np.int64) if "d2t" in tensors else None
+        super().__init__(config, tensors, tok_embd)
+        mx = self._mx
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k, self._v = mx.zeros(kv, mx.float32), mx.zeros(kv, mx.float32)
 
@@ -57,26 +42,10 @@ class MlxEagle3Head:
         """Positions in the head's KV cache."""
         return int(self._k.shape[2])
 
-    @property
-    def n_embd(self) -> int:
-        """H, the width of g and h."""
-        return self.config.n_embd
-
-    @property
-    def n_embd_tgt(self) -> int:
-        return self.config.n_embd_tgt
-
-    @property
-    def n_vocab(self) -> int:
-        return self.config.n_vocab
-
     def truncate(self, n_past: int) -> None:
         """Drop the KV entries of positions ≥ n_past."""
         if n_past < self.n_past:
             self._k, self._v = self._k[:, :, :n_past], self._v[:, :, :n_past]
-
-    def _rms_norm(self, x: Any, name: str) -> Any:
-        return self._mx.fast.rms_norm(x, self.w[name], self.config.rms_eps)
 
     def encode(self, features: F32) -> F32:
         """fc over target features: (n, 3·H_t) → g (n, H)."""
@@ -86,7 +55,7 @@ class MlxEagle3Head:
             raise ValueError(f"features must be (n, {3 * c.n_embd_tgt}) (got {f.shape})")
         x = mx.array(f)
         if c.norm_before_fc:
-            x = self._rms_norm(x, "enc.output_norm.weight")
+            x = self._norm(x, "enc.output_norm.weight")
         return np.array(x @ self.w["fc.weight"])
 
     def decode(self, tokens: Sequence[int], g: F32, rows: Literal["all", "last"] = "all") -> tuple[F32, F32]:
@@ -102,9 +71,9 @@ class MlxEagle3Head:
             raise ValueError(f"g must be ({n}, {c.n_embd}) for {n} tokens (got {g_np.shape})")
         p0, hd = self.n_past, c.head_dim
         e = self.tok_embd[mx.array(np.asarray(tokens, np.int32))].astype(mx.float32)
-        e = self._rms_norm(e, BLK + "attn_norm.weight")
+        e = self._norm(e, BLK + "attn_norm.weight")
         gx = mx.array(g_np)
-        gn = self._rms_norm(gx, BLK + "attn_norm_2.weight")
+        gn = self._norm(gx, BLK + "attn_norm_2.weight")
         x = mx.concatenate([e, gn], axis=1)  # (n, 2H)
 
         def heads(y: Any, count: int) -> Any:  # (n, count·d) → (1, count, n, d), RoPE'd at p0..p0+n-1
@@ -119,10 +88,10 @@ class MlxEagle3Head:
         mask = mx.arange(p0 + n)[None, :] <= mx.arange(p0, p0 + n)[:, None]  # (n, p0+n): causal
         a = mx.fast.scaled_dot_product_attention(q, self._k, self._v, scale=hd ** -0.5, mask=mask)
         r = merge_heads(a, n) @ w[BLK + "attn_output.weight"] + (gn if c.norm_before_residual else gx)
-        y = self._rms_norm(r, BLK + "ffn_norm.weight")
+        y = self._norm(r, BLK + "ffn_norm.weight")
         h = silu_ffn(mx, y, w[BLK + "ffn_gate.weight"], w[BLK + "ffn_up.weight"], w[BLK + "ffn_down.weight"]) + r
         if rows == "last":
             h = h[-1:]
-        z = self._rms_norm(h, "output_norm.weight") @ w["output.weight"]  # (k, V_d)
+        z = self._norm(h, "output_norm.weight") @ w["output.weight"]  # (k, V_d)
         mx.eval(z, h, self._k, self._v)
         return to_target_vocab(np.array(z), self.d2t, c.n_vocab), np.array(h)

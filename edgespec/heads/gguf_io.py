@@ -1,9 +1,5 @@
-"""GGUF files for heads: a lean reader (metadata + tensors) and llama.cpp's EAGLE-3 layout.
-
-The reader walks the header with ``struct`` and maps tensor data with numpy: ``gguf.GGUFReader``
-builds a Python object per vocabulary entry (3.5 s on SmolLM2's tokenizer, which every head file
-carries); this reads the same file in a fraction of that. Tensors are dequantized with
-``gguf.quants.dequantize``.
+"""GGUF files for heads: what every head layout shares (the llama hyperparameters, the target's
+tokenizer, the weight types) and llama.cpp's EAGLE-3 layout. Files are read with ``edgespec.gguf_file``.
 
 EAGLE-3 layout (vendored llama.cpp 0.3.36: src/models/eagle3.cpp, src/llama-arch.cpp,
 conversion/llama.py): architecture ``eagle3``; keys ``eagle3.target_layers`` (INT32 array of 3),
@@ -18,10 +14,7 @@ carries the target's ``tokenizer.*`` metadata (llama.cpp needs the vocabulary: t
 
 from __future__ import annotations
 
-import mmap
-import struct
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,103 +22,13 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.gguf_file import Field, add_fields, read_gguf
 from edgespec.heads.eagle3 import Eagle3Config
 
 ARCH = "eagle3"
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
 
 
-@dataclass
-class GGUFFile:
-    """A GGUF file's metadata and tensors, with the data memory-mapped (valid while open)."""
-
-    path: Path
-    kv: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]  # key → (value, type, sub-type)
-    tensors: dict[str, tuple[gguf.GGMLQuantizationType, tuple[int, ...], npt.NDArray[np.uint8]]] = field(
-        default_factory=dict)  # name → (type, numpy shape = reversed ne, raw bytes)
-
-    def value(self, key: str, default: Any = None) -> Any:
-        return self.kv[key][0] if key in self.kv else default
-
-    def tensor(self, name: str) -> npt.NDArray[Any]:
-        """Tensor ``name`` as float32 (dequantized), or int64/int32 for integer tensors."""
-        qtype, shape, raw = self.tensors[name]
-        if qtype in (gguf.GGMLQuantizationType.I64, gguf.GGMLQuantizationType.I32):
-            return raw.view(np.int64 if qtype == gguf.GGMLQuantizationType.I64 else np.int32).reshape(shape).copy()
-        rows = raw.reshape(-1, raw.size // max(1, int(np.prod(shape[:-1])))) if len(shape) > 1 else raw[None]
-        return np.asarray(gguf.quants.dequantize(rows, qtype), np.float32).reshape(shape).copy()
-
-
-def read_gguf(path: str | Path, keep_key: Callable[[str], bool] = lambda k: True,
-              with_tensors: bool = True) -> GGUFFile:
-    """Read a GGUF file: values of the keys ``keep_key`` accepts (others are skipped), tensor infos
-    and (``with_tensors``) the tensor bytes. Raises ValueError on a non-GGUF or truncated file."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if mm[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
-        pos = 24
-
-        def value(vtype: int, keep: bool) -> Any:
-            nonlocal pos
-            if vtype == _STRING:
-                (n,) = struct.unpack_from("<Q", mm, pos)
-                pos += 8 + n
-                return mm[pos - n:pos].decode("utf-8", "replace") if keep else None
-            if vtype == _ARRAY:
-                sub, n = struct.unpack_from("<IQ", mm, pos)
-                pos += 12
-                if sub != _STRING and not keep:
-                    pos += n * struct.calcsize(_SCALAR[sub])
-                    return None
-                return [value(sub, keep) for _ in range(n)]
-            (v,) = struct.unpack_from(_SCALAR[vtype], mm, pos)
-            pos += struct.calcsize(_SCALAR[vtype])
-            return v
-
-        kv: dict[str, Any] = {}
-        for _ in range(n_kv):
-            (n,) = struct.unpack_from("<Q", mm, pos)
-            key = mm[pos + 8:pos + 8 + n].decode()
-            (vtype,) = struct.unpack_from("<I", mm, pos + 8 + n)
-            pos += 12 + n
-            sub = struct.unpack_from("<I", mm, pos)[0] if vtype == _ARRAY else None
-            keep = keep_key(key) or key == "general.alignment"
-            v = value(vtype, keep)
-            if keep:
-                kv[key] = (v, gguf.GGUFValueType(vtype), gguf.GGUFValueType(sub) if sub is not None else None)
-        infos = []
-        for _ in range(n_tensors):
-            (n,) = struct.unpack_from("<Q", mm, pos)
-            name = mm[pos + 8:pos + 8 + n].decode()
-            pos += 8 + n
-            (n_dims,) = struct.unpack_from("<I", mm, pos)
-            ne = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
-            qtype, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            infos.append((name, gguf.GGMLQuantizationType(qtype), tuple(reversed(ne)), offset))
-        align = kv.get("general.alignment", (32,))[0]
-        data_start = -(-pos // align) * align
-        out = GGUFFile(path, kv)
-        if with_tensors:
-            buf = np.frombuffer(mm, np.uint8)
-            for name, qtype, shape, offset in infos:
-                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-                nbytes = int(np.prod(shape)) // block * type_size
-                start = data_start + offset
-                if start + nbytes > len(buf):
-                    raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + nbytes} of {len(buf)}")
-                out.tensors[name] = (qtype, shape, buf[start:start + nbytes])
-        return out
-    except struct.error as e:
-        raise ValueError(f"{path}: corrupt or truncated GGUF header ({e})") from e
-
-
-def tokenizer_fields(target: str | Path) -> dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+def tokenizer_fields(target: str | Path) -> dict[str, Field]:
     """Every ``tokenizer.*`` key of a target GGUF, to copy into a head file."""
     f = read_gguf(target, lambda k: k.startswith("tokenizer."), with_tensors=False)
     if "tokenizer.ggml.tokens" not in f.kv:
@@ -206,8 +109,7 @@ def finish_head_file(w: gguf.GGUFWriter, tok: Mapping[str, Any], tensors: Mappin
     the weight type ``types`` names for them; a Q8_0 matrix whose rows are not a multiple of 32 values
     as F16; 1-D F32; d2t I64), write and close."""
     types = types or {}
-    for key, (value, vtype, sub) in tok.items():
-        w.add_key_value(key, value, vtype, sub)
+    add_fields(w, tok)
     for key, text in (extra_kv or {}).items():
         w.add_string(key, text)
     for tname, arr in tensors.items():
@@ -233,13 +135,7 @@ def read_eagle3_gguf(path: str | Path) -> tuple[Eagle3Config, dict[str, npt.NDAr
     arch = f.value("general.architecture")
     if arch != ARCH:
         raise ValueError(f"{path} is not an EAGLE-3 head (general.architecture={arch!r})")
-
-    def key(k: str, default: Any = None) -> Any:
-        v = f.value(f"{ARCH}.{k}", default)
-        if v is None:
-            raise ValueError(f"{path} lacks {ARCH}.{k}")
-        return v
-
+    key = f.arch_value
     n_head = int(key("attention.head_count"))
     n_embd = int(key("embedding_length"))
     tensors = {name: f.tensor(name) for name in f.tensors}

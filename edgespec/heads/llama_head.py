@@ -15,11 +15,11 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.llama_cpp import (
-    _KV_TYPES,
+    KV_TYPES,
     LlamaCppBackend,
-    _diagnose,
-    _lib,
+    LlamaHandles,
     check_gguf_file,
+    load_failure_reason,
     model_metadata,
 )
 from edgespec.backends.llama_features import ExtApi, ext_api
@@ -29,7 +29,7 @@ F32 = npt.NDArray[np.float32]
 ENCODE, DECODE = 0, 1  # enum llama_process_type
 
 
-class LlamaHeadContext:
+class LlamaHeadContext(LlamaHandles):
     """A head model and its llama.cpp context, attached to a target context or standalone.
 
     Args:
@@ -43,13 +43,15 @@ class LlamaHeadContext:
         kv_type: the head's KV cache type ("f16", llama.cpp's default, or "f32", "q8_0").
         flash_attn: llama.cpp's flash attention (on CPU it rounds Q·K to F16).
         threads: CPU threads (default: the target's; standalone 1).
+
+    ``close()`` frees the head's model, context and batch (LlamaHandles).
     """
 
     def __init__(self, path: str | os.PathLike, target: LlamaCppBackend | None, *, kind: str,
                  n_ctx: int | None = None, n_batch: int | None = None, kv_type: str = "f16",
                  flash_attn: bool = True, threads: int | None = None) -> None:
-        self._model = self._ctx = self._batch = None
-        self._ll = ll = _lib()
+        super().__init__()
+        ll = self._ll
         api = ext_api()
         if api is None:
             raise BackendError(f"this libllama does not export the ext API a {kind} head needs")
@@ -57,9 +59,7 @@ class LlamaHeadContext:
         p = Path(path).expanduser()
         check_gguf_file(p)
         self.path = p
-        self._model = ll.llama_model_load_from_file(str(p).encode(), ll.llama_model_default_params())
-        if not self._model:
-            raise ModelLoadError(f"cannot load {p}: {_diagnose(p)}")
+        self._load_model(p, ll.llama_model_default_params(), "load")
         self.target_layers = api.model_target_layers(self._model)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
@@ -69,18 +69,18 @@ class LlamaHeadContext:
         cp.n_batch = cp.n_ubatch = self.n_batch
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = threads or (target.threads if target is not None else 1)
-        cp.type_k = cp.type_v = _KV_TYPES[kv_type]
+        cp.type_k = cp.type_v = KV_TYPES[kv_type]
         cp.flash_attn_type = -1 if flash_attn else 0  # AUTO / DISABLED
         cp.no_perf = True
         if target is not None:
-            cp.ctx_other = target._ctx
+            cp.ctx_other = target.llama_context
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
-            raise ModelLoadError(f"cannot create a llama.cpp context for the {kind} head {p}: {_diagnose(p)}")
+            raise ModelLoadError(f"cannot create a llama.cpp context for the {kind} head {p}: {load_failure_reason(p)}")
         self.n_ctx = ll.llama_n_ctx(self._ctx)
         self._mem = ll.llama_get_memory(self._ctx)
-        self._batch = ll.llama_batch_ext_init(self._ctx)
+        self._batch, self._free_batch = ll.llama_batch_ext_init(self._ctx), ll.llama_batch_ext_free
         self._target = target  # keeps ctx_other alive as long as this head
         self._n_past = 0
 
@@ -122,26 +122,3 @@ class LlamaHeadContext:
             return
         self._seq_rm(n_past)
         self._n_past = n_past
-
-    def close(self) -> None:
-        ll = getattr(self, "_ll", None)
-        if ll is None:
-            return
-        if self._batch:
-            ll.llama_batch_ext_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            ll.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        self.close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

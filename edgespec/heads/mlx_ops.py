@@ -1,7 +1,8 @@
-"""Pieces the MLX heads share (heads/eagle3_mlx.py, heads/dflash_mlx.py): weights held transposed,
-token embeddings borrowed from an MLX target, the SiLU-gated FFN and the d2t scatter back to numpy.
+"""Pieces the MLX heads share (heads/eagle3_mlx.py, heads/dflash_mlx.py): their weights (held
+transposed), token embeddings borrowed from an MLX target, the SiLU-gated FFN and the d2t scatter back
+to numpy (the numpy references' ops: heads/numpy_ops.py).
 
-``mx`` is the mlx.core module the caller imported (backends.mlx.import_mlx), so this module imports
+``mx`` is the mlx.core module the caller imported (backends.deps.import_mlx), so this module imports
 no MLX itself and ``edgespec --help`` works without it.
 """
 
@@ -13,7 +14,40 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.backends.deps import import_mlx
+
 F32 = npt.NDArray[np.float32]
+
+
+class MlxHeadWeights:
+    """What an MLX head holds from its config and GGUF tensors (MlxEagle3Head, MlxDFlashHead).
+
+    Args:
+        config: an Eagle3Config or DFlashConfig (``check_tensors``, n_vocab, n_embd, rms_eps).
+        tensors: GGUF tensor name → array; ``d2t`` int64.
+        tok_embd: the target's token embeddings (V, H), numpy or mx (an MLX target's own weight is
+            used without a copy: MlxFeatureBackend.token_embeddings), used when ``tensors`` has no
+            ``token_embd.weight``.
+
+    Sets ``config``, ``tok_embd`` (mx), ``w`` (name → mx array, matrices (in, out)) and ``d2t``
+    (None when V_d == V).
+    """
+
+    def __init__(self, config: Any, tensors: Mapping[str, npt.NDArray], tok_embd: Any) -> None:
+        self._mx = mx = import_mlx()
+        config.check_tensors(tensors)
+        self.config = config
+        self.tok_embd = mx_matrix(mx, tensors.get("token_embd.weight", tok_embd), (config.n_vocab, config.n_embd),
+                                  "token embeddings")
+        self.w = transposed_weights(mx, tensors, skip=("d2t", "token_embd.weight"))  # (in, out)
+        self.d2t = np.asarray(tensors["d2t"], np.int64) if "d2t" in tensors else None
+
+    def _norm(self, x: Any, name: str) -> Any:
+        """ggml's RMSNorm of x × the weight tensor `name`."""
+        return self._mx.fast.rms_norm(x, self.w[name], self.config.rms_eps)
+
+    def close(self) -> None:
+        """Nothing to free (the mx arrays go with the object)."""
 
 
 def transposed_weights(mx: Any, tensors: Mapping[str, npt.NDArray], skip: Iterable[str]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ test prompt is dropped (``Forbidden``), so no evaluation text can leak into trai
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import sysconfig
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from edgespec.bench.tasks import load_tasks
 
 NGRAM = 8
 _REPO = Path(__file__).resolve().parents[2]
@@ -34,14 +35,12 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
 
 
 def evaluation_texts(repo: Path = _REPO) -> list[str]:
-    """Texts training must never contain: every bench task (prompt and messages) and tests/real_prompts.py."""
+    """Texts training must never contain: every task of the shipped bench suite (prompt and messages)
+    and, in a source checkout, ``repo``/tests/real_prompts.py."""
     out: list[str] = []
-    for f in sorted((repo / "bench" / "tasks").glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                task = json.loads(line)
-                out.append(task.get("prompt", ""))
-                out += [m.get("content", "") for m in task.get("messages", [])]
+    for task in load_tasks():
+        out.append(task.prompt)
+        out += [m["content"] for m in task.messages]
     rp = repo / "tests" / "real_prompts.py"
     if rp.is_file():
         out.append(rp.read_text())

@@ -44,9 +44,10 @@ def chain_acceptance(head: Eagle3Head, files: Iterable[Path], depth: int = 5) ->
         head.truncate(0)
         g = head.encode(z["feats"][:n - 1].astype(np.float32))
         logits, h = head.decode(tokens[1:].tolist(), g)  # row P: pair (t_{P+1}, g_P), predicts t_{P+2}
-        k_all, v_all = head._k, head._v
+        full = head.kv_state()
         for o in range(start - 1, n - depth):  # context ends at t_{o+1}; drafts t_{o+2}..t_{o+1+depth}
-            head._k, head._v = k_all[:o + 1], v_all[:o + 1]
+            head.set_kv_state(full)
+            head.truncate(o + 1)
             row, hid, right = logits[o], h[o:o + 1], 0
             for k in range(depth):
                 if int(np.argmax(row)) != top1[o + 1 + k]:  # the target's greedy token t_{o+2+k}
@@ -56,7 +57,7 @@ def chain_acceptance(head: Eagle3Head, files: Iterable[Path], depth: int = 5) ->
                     nxt, hid = head.decode([int(np.argmax(row))], hid)
                     row = nxt[0]
             accepted.append(right)
-        head._k, head._v = k_all, v_all
+        head.set_kv_state(full)
     a = np.asarray(accepted)
     acc = [float((a >= k).mean()) if len(a) else float("nan") for k in range(1, depth + 1)]
     return {"acceptance": acc, "tau": float(a.mean() + 1) if len(a) else float("nan"), "origins": len(a)}

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dflash_gguf import read_dflash_gguf
-from edgespec.heads.gguf_io import read_gguf
 from edgespec.train import prompts as P
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
@@ -68,11 +68,7 @@ class HeadJob:
 def target_info(path: Path) -> dict[str, Any]:
     """Architecture hyperparameters, LM head (V, H) and final norm of a target GGUF."""
     f = read_gguf(path, lambda k: not k.startswith("tokenizer."))
-    arch = f.value("general.architecture")
-
-    def key(k: str, default: Any = None) -> Any:
-        return f.value(f"{arch}.{k}", default)
-
+    arch, key = f.value("general.architecture"), f.arch_value
     n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
     lm = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
     return {"arch": arch, "n_layer": int(key("block_count")), "n_embd": n_embd, "n_head": n_head,

@@ -1,5 +1,5 @@
 """Project-written prompts whose greedy continuations by the target become training data
-(self-distillation). Written for training only: no bench task (bench/tasks/*.jsonl) or test prompt
+(self-distillation). Written for training only: no bench task (edgespec/bench/suite/*.jsonl) or test prompt
 (tests/real_prompts.py) is reused, and tests/test_train_data.py checks that none shares an 8-word
 sequence with them. ``HELDOUT_PROMPTS`` are never trained on: they measure acceptance."""
 

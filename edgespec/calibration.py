@@ -1,0 +1,244 @@
+"""Calibration: the target's forward time T(k) over k tokens (logits for every row, what
+verification pays), what each cached token adds, and the largest exact verification batch; the
+cost profiles the scheduler starts from (`Engine.calibrate`) and `edgespec profile` refines.
+
+Times are medians over repeats whose k order alternates (1..K, then K..1), so drift on a shared
+machine hits every k alike. Profiles are cached as JSON under $EDGESPEC_HOME/profiles, keyed by
+model sha256, backend, threads and backend version.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.backends.base import Backend
+
+CONTEXT_TOKENS = 64  # tokens in the cache while timing: a short prompt's worth
+CONTEXT_FAR = 256  # more cached tokens for timing what each one adds (context_cost)
+SLOW_STEP_S = 0.02  # single steps slower than this (MLX on a small CPU): calibrate with 8 cached tokens
+
+
+@dataclass
+class CostProfile:
+    model: str
+    sha256: str
+    backend: str
+    version: str
+    threads: int
+    t_forward_ms: dict[int, float]  # k -> median ms for a k-token forward with k logit rows
+    draft_kind: str | None = None
+    draft_fixed_ms: float = 0.0  # per cycle (e.g. syncing the draft model's cache)
+    draft_per_token_ms: float = 0.0
+    exact_batch: int | None = None  # largest k whose k-token forward gives bit-identical logits to k single steps
+    context_ms: float | None = None  # ms a verified token pays per cached token beyond CONTEXT_TOKENS
+    measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+    def t_verify(self, k: int) -> float:
+        return self.t_forward_ms[k]
+
+    def t_draft(self, gamma: int) -> float:
+        return 0.0 if gamma == 0 else self.draft_fixed_ms + gamma * self.draft_per_token_ms
+
+    def ideal_speedup(self, gamma: int, expected_tau: float) -> float:
+        """E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)): the speedup if the runtime itself cost nothing."""
+        return expected_tau * self.t_forward_ms[1] / (self.t_draft(gamma) + self.t_forward_ms[gamma + 1])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        data = json.loads(text)
+        data["t_forward_ms"] = {int(k): v for k, v in data["t_forward_ms"].items()}
+        return cls(**data)
+
+
+def profile_dir() -> Path:
+    from edgespec.models import edgespec_home
+
+    return edgespec_home() / "profiles"
+
+
+def cache_path(sha256: str, backend: str, threads: int, version: str) -> Path:
+    return profile_dir() / f"{sha256[:16]}-{backend}-t{threads}-v{version}.json"
+
+
+def backend_version(backend: Backend) -> str:
+    """The installed version of the runtime behind a backend ("" for in-process ones)."""
+    from importlib import metadata
+
+    dist = {"llama.cpp": "llama_cpp_python", "mlx": "mlx"}.get(backend.name)
+    try:
+        return metadata.version(dist) if dist else ""
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def profile_path(backend: Backend) -> Path | None:
+    """Where this backend's cost profile is cached (None for a model that is not on disk)."""
+    from edgespec.models import model_key
+
+    if not Path(backend.path).exists():  # a GGUF file, or an MLX model directory
+        return None
+    return cache_path(model_key(backend.path), backend.name, getattr(backend, "threads", 0), backend_version(backend))
+
+
+CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16)
+
+
+def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: float = 2.0,
+              note: Callable[[str], None] | None = None, chunk: int | None = None) -> dict[int, float]:
+    """T(k) in ms for `ks`: from the cached profile when it has them, else timed in about
+    `budget_s` (`note` is told first) and cached. The scheduler's prior; `edgespec profile`
+    measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them."""
+    path = profile_path(backend)
+    prof = load_profile(path)
+    if prof is not None and all(k in prof.t_forward_ms for k in ks):
+        return prof.t_forward_ms
+    if note:
+        note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
+    context = 8 if _slow(backend) else CONTEXT_TOKENS  # a short context keeps the prefill affordable
+    once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk, context=context)
+    cost = np.interp(ks, [ks[0], ks[-1]], [once[ks[0]], once[ks[-1]]]) / 1000  # T(k) is about linear in k
+    if cost.sum() <= budget_s:
+        t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / cost.sum()))), chunk=chunk,
+                         context=context)
+    else:  # a slow backend (MLX on a small CPU): the two timings, interpolated; refined online
+        t = {k: float(c) * 1000 for k, c in zip(ks, cost)}
+    t = {**(prof.t_forward_ms if prof else {}), **t}
+    save_profile(path, backend, t_forward_ms=t)
+    return t
+
+
+def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_FAR, repeats: int = 4,
+                 note: Callable[[str], None] | None = None, refresh: bool = False) -> float:
+    """ms each token of a forward pays per cached token beyond CONTEXT_TOKENS (attention: a batch
+    does not share it), cached in the profile. T(16) is timed `repeats` times after CONTEXT_TOKENS
+    cached tokens, after `far` more, and after CONTEXT_TOKENS again (medians; one prefill of the
+    far tokens, the dearest part: ~1 s for 256 tokens of SmolLM2 here). 0 for a backend too slow
+    to time it briefly (the scheduler then follows the cycles' timings alone)."""
+    path = profile_path(backend)
+    prof = load_profile(path)
+    if prof is not None and prof.context_ms is not None and not refresh:
+        return prof.context_ms
+    k, n0 = 16, CONTEXT_TOKENS
+    far = min(far, backend.n_ctx - n0 - k)
+    if far < 64 or _slow(backend):
+        return 0.0
+    if note:
+        note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")
+    base = _timing_tokens(backend, n0 + far + k)
+    backend.truncate(0)
+    backend.eval(base[:n0], rows="none")
+    _forward_ms(backend, base, n0, k, chunk)  # warm-up
+    near = [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)]
+    backend.eval(base[n0:n0 + far], rows="none")
+    farther = statistics.median(_forward_ms(backend, base, n0 + far, k, chunk) for _ in range(repeats))
+    backend.truncate(n0)  # timed again after: drift brackets the far timings
+    near = statistics.median(near + [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)])
+    backend.truncate(0)
+    ms = max(0.0, (farther - near) / (k * far))
+    save_profile(path, backend, context_ms=ms)
+    return ms
+
+
+def exact_batch(backend: Backend, k_max: int = 16, note: Callable[[str], None] | None = None) -> int:
+    """The largest k ≤ k_max for which a k-token forward returns exactly the logits of k single-token
+    steps (cached in the profile). Beyond it, verification would not see what plain decoding sees:
+    llama.cpp's CPU K-quant matmuls switch kernels at 8 rows here (Gemma-270M Q4_K_M: Δ up to 1.4)."""
+    path = profile_path(backend)
+    prof = load_profile(path)
+    if prof is not None and prof.exact_batch is not None:
+        return prof.exact_batch
+    if note:
+        note(f"checking which verification batches of {Path(backend.path).name} give exactly the logits "
+             "of single steps (once per model)")
+    best = k_max
+    for seed in (0, 1):  # two contexts: a kernel switch can agree by chance on one
+        n0 = max(1, min(CONTEXT_TOKENS * (seed + 1), backend.n_ctx - k_max))
+        rng = np.random.default_rng(seed)
+        toks = [int(t) for t in rng.integers(1, min(backend.n_vocab, 5000), n0 + k_max)]
+        backend.truncate(0)
+        backend.eval(toks[:n0], rows="none")
+        single = np.stack([backend.eval([t], rows="last")[0] for t in toks[n0:]])
+        for k in range(2, best + 1):
+            backend.truncate(n0)
+            if not np.array_equal(backend.eval(toks[n0:n0 + k], rows="all"), single[:k]):
+                best = k - 1
+                break
+    backend.truncate(0)
+    save_profile(path, backend, exact_batch=best)
+    return best
+
+
+def load_profile(path: Path | None) -> CostProfile | None:
+    return CostProfile.from_json(path.read_text()) if path is not None and path.is_file() else None
+
+
+def save_profile(path: Path | None, backend: Backend, **fields) -> None:
+    """Update (or start) the cached profile with these fields, keeping the others."""
+    if path is None:
+        return
+    from edgespec.models import model_key
+
+    prof = load_profile(path) or CostProfile(backend.path, model_key(backend.path), backend.name,
+                                      backend_version(backend), getattr(backend, "threads", 0), {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace(prof, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields).to_json())
+
+
+def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
+                 progress: Callable[[int, int], None] | None = None, chunk: int | None = None,
+                 context: int = CONTEXT_TOKENS) -> dict[int, float]:
+    """Median ms of a k-token forward (all k logit rows) after `context` cached tokens, in
+    forwards of at most `chunk` tokens."""
+    n0 = max(1, min(context, backend.n_ctx - max(ks)))  # cached tokens (fewer in a tiny context)
+    base = _timing_tokens(backend, n0 + max(ks))
+    backend.truncate(0)
+    backend.eval(base[:n0], rows="none")
+    backend.eval(base[n0:n0 + 1], rows="all")  # warm-up
+    backend.truncate(n0)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for r in range(repeats):
+        for k in (ks if r % 2 == 0 else list(reversed(ks))):
+            times[k].append(_forward_ms(backend, base, n0, k, chunk))
+        if progress:
+            progress(r + 1, repeats)
+    backend.truncate(0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _timing_tokens(backend: Backend, n: int) -> list[int]:
+    """n ordinary token ids to time forwards with (the same sequence every time)."""
+    return [(7 * i + 11) % (min(backend.n_vocab, 1000) - 1) + 1 for i in range(n)]
+
+
+def _forward_ms(backend: Backend, tokens: Sequence[int], at: int, k: int, chunk: int | None) -> float:
+    """ms of a k-token forward (all rows) of tokens[at:at+k] after `at` cached ones, in forwards of
+    at most `chunk` tokens; the cache is cut back to `at` afterwards."""
+    t0 = time.perf_counter()
+    for i in range(0, k, chunk or k):
+        backend.eval(tokens[at + i:at + min(k, i + (chunk or k))], rows="all")
+    ms = (time.perf_counter() - t0) * 1000
+    backend.truncate(at)
+    return ms
+
+
+def _slow(backend: Backend) -> bool:
+    """Whether a single step takes over SLOW_STEP_S (MLX on a small CPU): the quickest of three,
+    so that one step slowed by another process does not count. Leaves the cache empty."""
+    backend.truncate(0)
+    step = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        backend.eval([1 + i], rows="last")
+        step.append(time.perf_counter() - t0)
+    backend.truncate(0)
+    return min(step) > SLOW_STEP_S

@@ -1,0 +1,69 @@
+"""Numpy reference ops the numpy heads share (heads/eagle3.py, heads/dflash.py): ggml's RMSNorm,
+both RoPE modes, attention with GQA, SiLU and x·wᵀ, computed in float64 and returned as float32 so
+the references stay within float32 rounding of llama.cpp (the MLX heads' ops: heads/mlx_ops.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+
+
+def rms_norm(x: F32, weight: F32, eps: float) -> F32:
+    """ggml_rms_norm then × weight, over the last axis."""
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight).astype(np.float32)
+
+
+def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
+    """ggml_rope_ext in mode 0 (LLAMA_ROPE_TYPE_NORM): rotate adjacent pairs (x[2i], x[2i+1]) by
+    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * i / n_rot)  # (n, n_rot/2)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.astype(np.float64).copy()
+    x0, x1 = out[..., 0:n_rot:2].copy(), out[..., 1:n_rot:2].copy()
+    out[..., 0:n_rot:2] = x0 * cos - x1 * sin
+    out[..., 1:n_rot:2] = x0 * sin + x1 * cos
+    return out.astype(np.float32)
+
+
+def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64],
+              scale: float, causal: bool = True) -> F32:
+    """softmax(scale·q·kᵀ) · v (``causal``: each query sees keys at positions ≤ its own); GQA: query
+    head h reads kv head h // (n_head / n_head_kv). q: (n, n_head, d), k/v: (m, n_head_kv, d) → (n, n_head·d)."""
+    n, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    kh = np.repeat(k.astype(np.float64), group, axis=1)  # (m, n_head, d)
+    vh = np.repeat(v.astype(np.float64), group, axis=1)
+    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), kh) * scale
+    if causal:
+        s = np.where(k_pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.einsum("hnm,mhd->nhd", s, vh).reshape(n, n_head * d).astype(np.float32)
+
+
+def silu(x: F32) -> F32:
+    """x · sigmoid(x)."""
+    return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
+    """ggml_rope_ext in NeoX mode (LLAMA_ROPE_TYPE_NEOX): rotate pairs (x[i], x[i + n_rot/2]) by
+    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
+    half = n_rot // 2
+    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.astype(np.float64).copy()
+    x0, x1 = out[..., :half].copy(), out[..., half:n_rot].copy()
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:n_rot] = x0 * sin + x1 * cos
+    return out.astype(np.float32)
+
+
+def mm(x: npt.NDArray, w: F32) -> F32:
+    """x · wᵀ in float64, as float32 (w in GGUF/numpy layout: (out, in))."""
+    return (np.asarray(x, np.float64) @ w.T.astype(np.float64)).astype(np.float32)
