@@ -87,7 +87,7 @@ def profile_path(backend: Backend) -> Path | None:
 
     if not Path(backend.path).exists():  # a GGUF file, or an MLX model directory
         return None
-    return cache_path(model_key(backend.path), backend.name, getattr(backend, "threads", 0), backend_version(backend))
+    return cache_path(model_key(backend.path), backend.name, backend.threads, backend_version(backend))
 
 
 CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16)
@@ -189,7 +189,7 @@ def save_profile(path: Path | None, backend: Backend, **fields) -> None:
     from edgespec.models import model_key
 
     prof = load_profile(path) or CostProfile(backend.path, model_key(backend.path), backend.name,
-                                      backend_version(backend), getattr(backend, "threads", 0), {})
+                                      backend_version(backend), backend.threads, {})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(replace(prof, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields).to_json())
 

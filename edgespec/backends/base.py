@@ -28,6 +28,7 @@ class Backend(Protocol):
     bos_id: int | None
     eos_id: int | None
     add_bos: bool  # whether tokenize(add_special=True) prepends BOS
+    threads: int  # CPU threads it computes with (0: chosen by the runtime, or in-process numpy)
 
     @property
     def n_past(self) -> int:

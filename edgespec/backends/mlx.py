@@ -103,6 +103,7 @@ class MlxBackend(Closing):
         self.model = model
         self._split = self.model_type in _SPLIT_HEAD
         self.n_ctx, self.n_batch = n_ctx, n_batch
+        self.threads = 0  # MLX chooses its own (the cost-profile key)
         self._n_past = 0
         self._vocab = vocab if vocab is not None else _open_vocab(self.model_dir, verbose)
         self.n_vocab = int(config.get("vocab_size") or self._vocab.n_vocab)

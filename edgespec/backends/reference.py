@@ -29,6 +29,7 @@ class ReferenceBackend:
         self.path = f"reference(n_vocab={n_vocab}, seed={seed})"
         self.n_vocab, self.n_ctx = n_vocab, n_ctx
         self.bos_id, self.eos_id, self.add_bos = None, eos_id, False
+        self.threads = 0  # numpy, in-process
         self._tokens: list[int] = []
         self.n_evals = 0  # forward passes, for tests
 

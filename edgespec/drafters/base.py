@@ -124,20 +124,16 @@ class FeatureTarget(Protocol):
     def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]: ...
 
 
-@runtime_checkable
-class Closable(Protocol):
-    """A head runner that holds native resources (the libllama heads) and must be closed."""
-
-    def close(self) -> None: ...
-
-
 class HeadRunner(Protocol):
-    """What every feature-head runner has: a KV cache of head positions that can be rolled back."""
+    """What every feature-head runner has: a KV cache of head positions that can be rolled back,
+    and close() (the libllama heads free native handles; numpy and MLX heads hold nothing)."""
 
     @property
     def n_past(self) -> int: ...
 
     def truncate(self, n_past: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class HeadDrafter:
@@ -171,5 +167,4 @@ class HeadDrafter:
         self.head.truncate(0)
 
     def close(self) -> None:
-        if isinstance(self.head, Closable):  # numpy and MLX heads hold nothing to free
-            self.head.close()
+        self.head.close()
