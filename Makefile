@@ -14,8 +14,8 @@ $(BIN)/python:
 # pip's wheel cache makes later installs fast. The mlx extra is mlx[cpu] on Linux (the MLX tests run
 # on CPU there), the Metal build on macOS. The train extra (torch, pinned) runs the head-training tests.
 $(STAMP): pyproject.toml | $(BIN)/python
-	@echo "installing edgespec[llama,dev,mlx,train] (first time: builds llama-cpp-python, ~10 min)"
-	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train]"
+	@echo "installing edgespec[llama,dev,mlx,train,serve] (first time: builds llama-cpp-python, ~10 min)"
+	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train,serve]"
 	@touch $(STAMP)
 
 install: $(STAMP)

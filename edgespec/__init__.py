@@ -14,4 +14,14 @@ from edgespec.sampling import SamplingParams
 from edgespec.stats import Stats
 
 __version__ = "0.1.0"
-__all__ = ["load", "Engine", "Chunk", "Generation", "Stats", "SamplingParams", "EdgespecError", "__version__"]
+__all__ = ["load", "serve", "Engine", "Chunk", "Generation", "Stats", "SamplingParams", "EdgespecError",
+           "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # `serve` loads on first use: `import edgespec` stays free of the server (uvicorn, starlette: extra `serve`)
+    if name == "serve":
+        from edgespec.server import serve
+
+        return serve
+    raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

@@ -25,3 +25,7 @@ class BackendError(EdgespecError):
 
 class MissingDependencyError(EdgespecError):
     """An optional extra (llama-cpp-python, mlx, torch, matplotlib) is not installed."""
+
+
+class EngineBusyError(EdgespecError):
+    """The engine is already generating (one generation at a time; a server answers 503)."""

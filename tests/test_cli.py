@@ -61,7 +61,7 @@ def test_help_without_llama_cpp(args: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("args", "commands"), [
-    ([], ("generate", "chat", "demo", "profile", "bench", "convert", "train-head", "models")),
+    ([], ("generate", "chat", "demo", "serve", "profile", "bench", "convert", "train-head", "models")),
     (["models"], ("fetch", "list")),
 ])
 def test_help_lists_one_line_per_command(args: list[str], commands: tuple[str, ...]) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from edgespec.cli import bench_cmd, convert_cmd, models_cmd, profile_cmd, train_cmd, ui
+from edgespec.cli import bench_cmd, convert_cmd, models_cmd, profile_cmd, serve_cmd, train_cmd, ui
 from edgespec.cli.options import RunOptions, run_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
@@ -314,6 +314,7 @@ def _drafter_name(engine: Any) -> str:
 
 
 # Registered after generate, chat and demo so that `edgespec --help` lists those first.
+app.command()(serve_cmd.serve)
 app.command()(profile_cmd.profile)
 app.command()(bench_cmd.bench)
 app.command()(convert_cmd.convert)

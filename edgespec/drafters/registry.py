@@ -3,9 +3,10 @@
 A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup), a GGUF path or
 known model name with the target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3
 (general.architecture "eagle3") or DFlash ("dflash"; DSpark when it has the Markov head,
-markov_w1.weight). A head drafts from the target's hidden states, so its target is opened to
-capture the layers the head reads: `open_target` decides that, and only this module imports the
-concrete drafters and the feature backends.
+markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted once against
+the target and cached (`_converted`: edgespec.heads.convert). A head drafts from the target's hidden
+states, so its target is opened to capture the layers the head reads: `open_target` decides that,
+and only this module imports the concrete drafters and the feature backends.
 
 Both head formats store llama.cpp's extract ids in ``<arch>.target_layers``: id L is the INPUT of
 target layer L (the output of layer L−1), which is what LlamaFeatureBackend / MlxFeatureBackend
@@ -78,8 +79,30 @@ def head_arch(path: Spec) -> str | None:
 
 
 def is_feature_head(spec: Spec | None) -> bool:
-    """Whether `spec` is an EAGLE-3 or DFlash head GGUF (whose target must capture features)."""
-    return spec is not None and head_arch(spec) in HEAD_KINDS
+    """Whether `spec` is an EAGLE-3 or DFlash head GGUF or checkpoint directory (whose target must
+    capture features)."""
+    return spec is not None and (head_arch(spec) in HEAD_KINDS or _is_head_dir(spec))
+
+
+def _is_head_dir(spec: Spec) -> bool:
+    if not Path(spec).expanduser().is_dir():  # "ngram", a GGUF file, a model name
+        return False
+    from edgespec.heads.convert import is_head_checkpoint
+
+    return is_head_checkpoint(spec)
+
+
+def _converted(spec: Spec, target: Spec | None) -> Spec:
+    """A head checkpoint directory becomes its GGUF for `target` (converted once, cached and
+    announced on stderr, as MLX conversions are); any other spec stays as it is."""
+    if not _is_head_dir(spec):
+        return spec
+    import sys
+
+    from edgespec.heads.convert import cached_head
+    from edgespec.models import DEFAULT_TARGET
+
+    return str(cached_head(spec, target or DEFAULT_TARGET, note=lambda line: print(line, file=sys.stderr)))
 
 
 def read_head(spec: Spec) -> HeadFile | None:
@@ -142,6 +165,7 @@ def open_target(target: Spec | None, drafter: Spec | Sequence[Spec] | None = Non
 
     _check_backend(backend)
     specs = [] if drafter is None else [drafter] if isinstance(drafter, (str, os.PathLike)) else list(drafter)
+    specs = [_converted(s, target) for s in specs]
     head = next((h for h in map(read_head, specs) if h is not None), None)
     if head is None:
         return open_backend(target or DEFAULT_TARGET, backend, **options)
@@ -192,7 +216,8 @@ def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp",
     Args:
         spec: None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → NgramDrafter; an EAGLE-3
             head GGUF → EagleDrafter; a DFlash head GGUF → DFlashDrafter (DSparkDrafter with a
-            Markov head); else a same-vocabulary draft model (DraftModelDrafter) on `backend`.
+            Markov head); a published head checkpoint directory → its converted GGUF's drafter;
+            else a same-vocabulary draft model (DraftModelDrafter) on `backend`.
         target: the opened target.
         backend: the draft model's backend.
         impl: where a head runs: "llama" on libllama, "mlx" on MLX, "numpy" on the numpy reference
@@ -211,6 +236,7 @@ def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp",
     text = str(spec)
     if text == "ngram" or text.startswith("ngram:"):
         return _ngram(text)
+    spec = _converted(spec, target.path)
     head = read_head(spec)
     if head is not None:
         return _head_drafter(head, target, impl, options.get("threads"))

@@ -1,0 +1,44 @@
+"""`edgespec serve`: the model behind an OpenAI-compatible HTTP API (edgespec.server)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from edgespec.cli.options import RunOptions, run_options
+
+_PANEL = "Server"
+
+
+@run_options(temp=0.7, max_tokens=4096)
+def serve(
+    opts: RunOptions,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on. The default serves this machine only; any other (0.0.0.0: "
+                       "every interface) prints a warning: set --api-key then.", rich_help_panel=_PANEL)] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.", rich_help_panel=_PANEL)] = 8080,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="EDGESPEC_API_KEY", help="Require `Authorization: Bearer KEY` on every endpoint "
+                                                     "but /health.", rich_help_panel=_PANEL)] = None,
+    queue: Annotated[int, typer.Option(
+        "--queue", min=0, help="Most requests waiting behind the running one; beyond it 503 + Retry-After.",
+        rich_help_panel=_PANEL)] = 8,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API.
+
+    POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models
+    and /health. One generation at a time, the others wait in a bounded queue. The
+    sampling flags are the defaults for requests that omit those fields. Ctrl-C stops.
+    """
+    from edgespec.server import Defaults
+    from edgespec.server.runner import import_uvicorn
+    from edgespec.server.runner import serve as run_server
+
+    opts.check()
+    import_uvicorn()  # before the model loads: a missing extra is one line, at once
+    defaults = Defaults(max_tokens=opts.max_tokens, temperature=opts.temp, top_k=opts.top_k, top_p=opts.top_p,
+                        min_p=opts.min_p, seed=opts.seed, num_draft=opts.gamma)
+    with opts.load() as engine:
+        run_server(engine=engine, host=host, port=port, api_key=api_key, queue=queue, defaults=defaults,
+                   access_log=opts.verbose)
