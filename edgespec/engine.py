@@ -15,8 +15,8 @@ import numpy as np
 
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft, DraftCost, Drafter, common_prefix
-from edgespec.errors import ContextOverflowError, EdgespecError
-from edgespec.sampling import SamplingParams
+from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
+from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import K_MAX, CostModel, Scheduler
 from edgespec.stats import Stats, peak_rss_mb
 from edgespec.text import StopMatcher, StreamDecoder
@@ -209,7 +209,7 @@ class Engine:
 
     def _lock(self) -> None:
         if not self._busy.acquire(blocking=False):
-            raise EdgespecError("this engine is already generating; use one engine per concurrent stream")
+            raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
 
     def _calibrate(self, note: Callable[[str], None] | None = None) -> None:
         from edgespec.calibration import calibrate, context_cost
@@ -307,18 +307,25 @@ class Engine:
         Returns (emitted tokens, drafts accepted)."""
         t0, n_cached = time.perf_counter(), len(self._kv)
         draft, plan = Draft([]), None
-        if sched is not None and gamma > 0:
-            draft, plan = sched.draft(self.drafter, self._kv + [pending], gamma, params, rng)
-        elif gamma > 0:
-            draft = self.drafter.draft(self._kv + [pending], gamma, params, rng)
+        if gamma > 0:
+            context = self._kv  # the committed context = the cache's tokens + pending, without a copy
+            context.append(pending)
+            try:
+                if sched is not None:
+                    draft, plan = sched.draft(self.drafter, context, gamma, params, rng)
+                else:
+                    draft = self.drafter.draft(context, gamma, params, rng)
+            finally:
+                context.pop()
         x = draft.tokens[:gamma]  # x̃₁..x̃γ
         q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
         t1 = time.perf_counter()
         logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
         t2 = time.perf_counter()
-        rows: list[np.ndarray] | None = [] if sched is not None and not params.greedy else None
+        rows: list[Dist] | None = [] if sched is not None and not params.greedy else None
         n, token = verify(logits, x, q, params, rng, rows)
-        self._kv += [pending, *x[:n]]
+        self._kv.append(pending)
+        self._kv.extend(x[:n])
         self.target.truncate(len(self._kv))  # roll back the rejected drafts
         t3 = time.perf_counter()
         if sched is not None:

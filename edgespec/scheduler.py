@@ -25,7 +25,7 @@ import numpy as np
 
 from edgespec.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
-from edgespec.sampling import SamplingParams
+from edgespec.sampling import Dist, SamplingParams
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
            "best_gamma"]
@@ -217,10 +217,10 @@ class Scheduler:
         else:
             self._plain_ms += t_verify * 1000
 
-    def emitted(self, tokens: Sequence[int], probs: Sequence[np.ndarray] | None = None) -> None:
+    def emitted(self, tokens: Sequence[int], probs: Sequence[Dist | np.ndarray] | None = None) -> None:
         """Score the pending shadow drafts against tokens the target emitted. Greedy: a draft token
         is right when it is the emitted one, exactly what verification would have accepted. Sampled:
-        `probs` (the target's processed row for each emitted token, when given) credits a draft token
+        `probs` (the target's processed row for each emitted token, when given: `probs[j][x]` is p(x)) credits a draft token
         with p(x̃), the chance verification accepts it, rather than with the 0/1 of whether the draw
         happened to equal it: the same mean, far less noise, so a few lucky draws do not start bets.
         The shadow follows the emitted text either way. One is drafted at every plain step, so the

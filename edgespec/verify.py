@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.sampling import SamplingParams, process, sample
+from edgespec.sampling import Dist, SamplingParams, process_rows, sample
 
 
 def verify_greedy(logits: npt.NDArray[np.floating], draft: Sequence[int]) -> tuple[int, int]:
@@ -31,33 +31,33 @@ def verify_stochastic(
     q: npt.NDArray[np.float64] | None,  # (γ, V) processed draft probabilities; None = one-hot
     params: SamplingParams,
     rng: np.random.Generator,
-    rows: list[npt.NDArray[np.float64]] | None = None,
+    rows: list[Dist] | None = None,
 ) -> tuple[int, int]:
     """Rejection sampling: accept x̃ᵢ with probability min(1, pᵢ(x̃ᵢ)/qᵢ(x̃ᵢ)); at the first
     rejection sample from norm(max(0, pᵢ − qᵢ)); if all are accepted, sample the bonus from p_γ.
     A one-hot q (deterministic drafter) accepts with probability pᵢ(x̃ᵢ) and on rejection samples
     from pᵢ with x̃ᵢ zeroed. The emitted tokens are distributed exactly as sampling from p.
-    Rows of p are processed lazily: only up to the first rejection. `rows`, when given, receives
-    them: one p row per emitted token (the scheduler scores shadow drafts with them)."""
+    The γ+1 rows are processed together (process_rows), each row's kept set only up to the first
+    rejection. `rows`, when given, receives them: one p row per emitted token (the scheduler
+    scores shadow drafts with them)."""
+    p_rows = process_rows(logits[: len(draft) + 1], params)  # γ+1 distributions, built on access
     for i, x in enumerate(draft):
-        p = process(logits[i], params)  # (V,)
+        p = p_rows[i]
         if rows is not None:
             rows.append(p)
         q_x = 1.0 if q is None else float(q[i, x])
         if q_x > 0.0 and rng.random() * q_x < p[x]:
             continue
         if q is None:
-            residual = p.copy()
-            residual[x] = 0.0
-        else:
-            residual = np.maximum(p - q[i], 0.0)
+            return i, p.sample(rng, exclude=x)
+        residual = np.maximum(p.dense() - q[i], 0.0)
         if residual.sum() <= 0.0:  # p == q up to rounding: the rejection had probability ~0
-            residual = p
+            return i, p.sample(rng)
         return i, sample(residual, rng)
-    p = process(logits[len(draft)], params)
+    p = p_rows[len(draft)]
     if rows is not None:
         rows.append(p)
-    return len(draft), sample(p, rng)
+    return len(draft), p.sample(rng)
 
 
 def verify(
@@ -66,7 +66,7 @@ def verify(
     q: npt.NDArray[np.float64] | None,
     params: SamplingParams,
     rng: np.random.Generator,
-    rows: list[npt.NDArray[np.float64]] | None = None,
+    rows: list[Dist] | None = None,
 ) -> tuple[int, int]:
     """Greedy or stochastic verification, by `params` (`rows`: see verify_stochastic; greedy
     leaves it empty)."""

@@ -86,7 +86,7 @@ def test_verify_stochastic_hands_back_one_row_per_emitted_token():
     for _ in range(20):
         rows: list[np.ndarray] = []
         n, _ = verify(logits, [3, 4, 5], None, SamplingParams(0.9), rng, rows)
-        assert len(rows) == n + 1 and all(abs(r.sum() - 1) < 1e-9 for r in rows)
+        assert len(rows) == n + 1 and all(abs(r.dense().sum() - 1) < 1e-5 for r in rows)  # float32 softmax
     rows = []
     verify(logits, [3], None, SamplingParams(), rng, rows)
     assert rows == []

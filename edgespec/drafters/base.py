@@ -3,7 +3,8 @@
 A drafter sees the whole committed context (prompt + generated tokens, the last one not yet
 evaluated by the target) on every call, so it never depends on being told what was accepted:
 a drafter with its own KV cache syncs it to the context by common prefix. A drafter bug can only
-lower acceptance; verification keeps the output exact.
+lower acceptance; verification keeps the output exact. The context is the engine's own list, lent
+for the call (no O(context) copy per cycle): read it, copy what you keep, never mutate it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.sampling import SamplingParams, process, sample
+from edgespec.sampling import SamplingParams, process_rows
 
 
 @dataclass
@@ -56,12 +57,13 @@ class Chain:
     def step(self, logits: npt.NDArray[np.float32], conf: float | None = None) -> int | None:
         """Draw the next token from `logits` (V,), or None when `stop` refuses this position (asked
         with its confidence: `conf`, or derived from the logits by `confidence`)."""
-        q = None if self.params.greedy else process(logits, self.params)  # (V,)
+        p = None if self.params.greedy else process_rows(logits[None], self.params)[0]
+        q = None if p is None else p.dense()  # (V,)
         self.conf.append(confidence(logits, q) if conf is None else conf)
         if self.stop is not None and self.stop(self.conf):
             self.conf.pop()
             return None
-        x = int(np.argmax(logits)) if q is None else sample(q, self.rng)
+        x = int(np.argmax(logits)) if p is None else p.sample(self.rng)
         self.tokens.append(x)
         if q is not None:
             self.rows.append(q)

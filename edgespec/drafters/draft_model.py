@@ -9,7 +9,7 @@ import numpy as np
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft, DraftCost, common_prefix, confidence
 from edgespec.errors import ContextOverflowError, VocabMismatchError
-from edgespec.sampling import SamplingParams, process, sample
+from edgespec.sampling import SamplingParams, process_rows, sample
 
 # llama.cpp common/speculative.cpp: vocab sizes may differ by this much; token texts are compared
 # from this id on (ids below are control tokens that models number differently).
@@ -70,12 +70,16 @@ class DraftModelDrafter:
             while len(tokens) < gamma:
                 logits = self.model.eval(feed, rows="last")[0]
                 self._kv.extend(feed)
-                q = _fit(process(logits, params), self.n_vocab)  # (V_target,)
+                p = process_rows(logits[None], params)[0]
+                q = _fit(p.dense(), self.n_vocab)  # (V_target,)
                 conf.append(confidence(logits, None if params.greedy else q))
                 if stop is not None and stop(conf):
                     conf.pop()
                     break
-                x = sample(q, rng) if not params.greedy else int(np.argmax(q))
+                if params.greedy:
+                    x = int(np.argmax(q))
+                else:  # q is p itself unless the vocabularies differ in size: then draw from q
+                    x = p.sample(rng) if q.shape[0] == p.n_vocab else sample(q, rng)
                 tokens.append(x)
                 rows.append(q)
                 feed = [x]

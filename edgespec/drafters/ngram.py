@@ -11,6 +11,7 @@ from edgespec.drafters.base import Draft
 from edgespec.sampling import SamplingParams
 
 MAX_SUPPORT = 16
+SYNC_WINDOW = 64  # tokens compared to tell an extension of the indexed context from a new one
 
 
 class NgramDrafter:
@@ -19,7 +20,7 @@ class NgramDrafter:
 
     An index (n-gram → where it last ended) grows with the context, so a call costs a few
     microseconds however long the context; a context that is not an extension of the last one
-    rebuilds it."""
+    (judged by its last SYNC_WINDOW indexed tokens) rebuilds it."""
 
     name = "ngram"
     paths: tuple[str, ...] = ()  # no model: drafting costs next to nothing
@@ -48,7 +49,10 @@ class NgramDrafter:
         """Extend the index to every n-gram that ends before the context's last position (the
         suffix itself is what gets looked up, so it must not find itself)."""
         n_old = len(self._ctx)
-        if len(context) < n_old or list(context[:n_old]) != self._ctx:
+        # an extension agrees on the indexed tail: comparing the whole context would cost O(context)
+        # per call; a context that matched only there could cost acceptance, never exactness
+        w = min(n_old, SYNC_WINDOW)
+        if len(context) < n_old or list(context[n_old - w: n_old]) != self._ctx[n_old - w:]:
             self._ctx, self._last_end, n_old = [], {}, 0
         ctx = self._ctx
         ctx.extend(int(t) for t in context[n_old:])
