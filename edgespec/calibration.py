@@ -123,14 +123,15 @@ def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_
     does not share it), cached in the profile. T(16) is timed `repeats` times after CONTEXT_TOKENS
     cached tokens, after `far` more, and after CONTEXT_TOKENS again (medians; one prefill of the
     far tokens, the dearest part: ~1 s for 256 tokens of SmolLM2 here). 0 for a backend too slow
-    to time it briefly (the scheduler then follows the cycles' timings alone)."""
+    to time it briefly (the scheduler then follows the cycles' timings alone), unless `refresh`
+    asks for a measurement (`edgespec profile`): then it is timed however slow a step is."""
     path = profile_path(backend)
     prof = load_profile(path)
     if prof is not None and prof.context_ms is not None and not refresh:
         return prof.context_ms
     k, n0 = 16, CONTEXT_TOKENS
     far = min(far, backend.n_ctx - n0 - k)
-    if far < 64 or _slow(backend):
+    if far < 64 or (not refresh and _slow(backend)):  # `refresh` (edgespec profile) times it anyway
         return 0.0
     if note:
         note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")

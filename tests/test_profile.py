@@ -42,6 +42,9 @@ def test_context_cost_measures_what_each_cached_token_adds():
     assert context_cost(_Attending(us=0.0), far=256, repeats=3) == pytest.approx(0.0, abs=0.0003)
     # a backend too slow for a brief timing (MLX on a small CPU): no context term rather than a wait
     assert context_cost(_Attending(us=2.0, step_s=0.03), far=256, repeats=3) == 0.0
+    # ... unless a measurement was asked for (`edgespec profile`: refresh), however slow a step is
+    assert context_cost(_Attending(us=5.0, step_s=0.021), far=256, repeats=1, refresh=True) == pytest.approx(
+        0.005, rel=0.4)
 
 
 def test_expected_tau_truncates_cycles_of_a_longer_draft():
