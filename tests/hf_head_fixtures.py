@@ -6,7 +6,9 @@ forward as the reference code has them: HF rotate-half RoPE, HF tensor layout, d
 - ``eagle3_reference``: SafeAILab/EAGLE eagle/traineagle3/cnets.py (Model.forward, one step of
   LlamaDecoderLayeremb + LlamaAttention), SpecForge's llama3_eagle.py (``project_hidden_states``,
   ``compute_logits``) and speculators' model_definitions.py (``norm_before_residual``) and core.py
-  (``input_norm`` when ``norm_before_fc``);
+  (``input_norm`` when ``norm_before_fc``); llama3 RoPE scaling as transformers'
+  ``_compute_llama3_parameters`` computes the inverse frequencies (SpecForge's LlamaRotaryEmbedding
+  and speculators' transformers rotary embedding apply that function's formula);
 - ``dflash_reference``: z-lab/dflash dflash/model.py (DFlashDraftModel.forward with
   Qwen3DFlashAttention, non-causal, context K/V from ``hidden_norm(fc(target_hidden))``).
 Both run in float64 over the whole sequence at once (causal mask / full context), the way the
@@ -69,8 +71,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _cos_sin(positions: torch.Tensor, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    """transformers' _compute_llama3_parameters (modeling_rope_utils.py) on default inverse frequencies."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _cos_sin(positions: torch.Tensor, dim: int, base: float,
+             rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's rotate-half cos/sin; ``rope``: a config's rope_scaling / rope_parameters (llama3 or none)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if kind == "llama3":
+        inv_freq = _llama3(inv_freq, rope or {})
+    elif kind != "default":
+        raise NotImplementedError(f"the reference ports implement llama3 RoPE scaling only (got {kind!r})")
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -112,7 +134,8 @@ def eagle3_reference(w: dict[str, torch.Tensor], cfg: dict[str, Any], features: 
     q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, n_head, hd).transpose(0, 1)
     k = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, n_kv, hd).transpose(0, 1)
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, n_kv, hd).transpose(0, 1)
-    cos, sin = _cos_sin(torch.arange(n), hd, float(hp.get("rope_theta", 10000.0)))
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}  # transformers v5 / v4 names
+    cos, sin = _cos_sin(torch.arange(n), hd, float(rope.get("rope_theta", hp.get("rope_theta", 10000.0))), rope)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), diagonal=1)
     h = residual + _attention(q, k, v, mask, n_kv) @ w[p + "self_attn.o_proj.weight"].T

@@ -6,6 +6,7 @@ history. Every bad input is a one-line error."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -39,7 +40,24 @@ N_VOCAB, N_DRAFT, H_T = 49152, 512, 64  # SmolLM2's tokenizer; the tiny target's
 CHUNKS = (4, 1, 3)  # decode calls: a prefill, a single step, a few more (KV history)
 
 
-def _config(layout: str, H: int) -> dict:
+# llama3 RoPE scaling as Llama-3.1 heads have it (SpecForge configs/llama3-70B-ealge3.json), with an
+# original context small enough that the tiny heads' pairs fall in all three bands (1, smoothed, factor)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=256)
+
+
+def _config(case: str, H: int) -> dict:
+    layout = case.split("-")[0]
+    cfg = _layout_config(layout, H)
+    if case == "SpecForge-llama3":  # transformers v4's name, at the top level
+        cfg["rope_scaling"] = dict(LLAMA3)
+    elif case == "speculators-llama3":  # transformers v5's rope_parameters (rope_theta inside), nested
+        tl = cfg["transformer_layer_config"]
+        tl["rope_parameters"] = LLAMA3 | {"rope_theta": tl.pop("rope_theta")}
+    return cfg
+
+
+def _layout_config(layout: str, H: int) -> dict:
     base = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                 num_hidden_layers=1, rms_norm_eps=1e-5, vocab_size=N_VOCAB, hidden_act="silu",
                 max_position_embeddings=2048)
@@ -70,15 +88,17 @@ def _shapes(layout: str, H: int, embed: bool) -> dict[str, tuple[int, ...]]:
     return s
 
 
-# layout → (dtype, head hidden size, embed_tokens: "copy" of the target's / "own" / None, shards)
-LAYOUTS = {"EAGLE": ("fp32", 64, "copy", 1), "SpecForge": ("bf16", 32, "own", 2), "speculators": ("fp16", 64, None, 1)}
+# case → (dtype, head hidden size, embed_tokens: "copy" of the target's / "own" / None, shards); a case
+# is a layout, "-llama3" when its config has llama3 RoPE scaling
+LAYOUTS = {"EAGLE": ("fp32", 64, "copy", 1), "SpecForge": ("bf16", 32, "own", 2), "speculators": ("fp16", 64, None, 1),
+           "SpecForge-llama3": ("bf16", 32, "own", 1), "speculators-llama3": ("fp16", 64, None, 1)}
 
 
-def make_checkpoint(d: Path, layout: str, target_embd: np.ndarray, seed: int = 0) -> tuple[Path, dict, dict]:
-    """A checkpoint of `layout` with random weights, real names/config fields/dtypes; d2t offsets."""
-    dtype, H, embed, shards = LAYOUTS[layout]
-    cfg = _config(layout, H)
-    w = random_weights(_shapes(layout, H, embed == "own"), dtype, seed)
+def make_checkpoint(d: Path, case: str, target_embd: np.ndarray, seed: int = 0) -> tuple[Path, dict, dict]:
+    """A checkpoint of `case` with random weights, real names/config fields/dtypes; d2t offsets."""
+    dtype, H, embed, shards = LAYOUTS[case]
+    cfg = _config(case, H)
+    w = random_weights(_shapes(case.split("-")[0], H, embed == "own"), dtype, seed)
     if embed == "copy":
         w["embed_tokens.weight"] = torch.from_numpy(target_embd.copy())
     used = np.sort(np.random.default_rng(seed).choice(N_VOCAB, N_DRAFT, replace=False))
@@ -119,21 +139,40 @@ def _run(head, feats: np.ndarray, tokens: list[int]) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def _without_rope_scaling(cfg: dict) -> dict:
+    """``cfg`` with its RoPE scaling dropped (rope_theta kept)."""
+    tl = dict(cfg.get("transformer_layer_config", {}))
+    theta = (tl.pop("rope_parameters", None) or {}).get("rope_theta")
+    plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    return plain | ({"transformer_layer_config": tl | {"rope_theta": theta}} if tl else {})
+
+
 @pytest.mark.real
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_converted_head_equals_the_reference_forward(converted, target, layout: str):
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_converted_head_equals_the_reference_forward(converted, target, case: str):
     from edgespec.backends.llama_cpp import LlamaCppBackend
     from edgespec.heads.eagle3_llama import LlamaEagle3Head
 
-    ckpt, cfg, w, gguf_path = converted[layout]
+    ckpt, cfg, w, gguf_path = converted[case]
+    layout = case.split("-")[0]
     feats, tokens = _pairs()
     embed = w["embed_tokens.weight"].to(torch.float32).numpy() if "embed_tokens.weight" in w else target[1]
     ref = eagle3_reference(w, cfg, feats, tokens, embed, N_VOCAB)
     config, tensors = read_eagle3_gguf(gguf_path)
     assert config.target_layers == ((1, 3, 6) if layout == "speculators" else (2, 4, 5))  # EAGLE's (2, N//2, N-3)
     assert config.norm_before_fc == (layout == "speculators") and config.n_draft_vocab == N_DRAFT
-    assert ("token_embd.weight" in tensors) == (LAYOUTS[layout][2] == "own")  # a copy of the target's is dropped
+    assert ("token_embd.weight" in tensors) == (LAYOUTS[case][2] == "own")  # a copy of the target's is dropped
+    assert ("rope_freqs.weight" in tensors) == case.endswith("-llama3")
+    if case.endswith("-llama3"):  # the scaling matters at these positions: the test can tell
+        ff = tensors["rope_freqs.weight"]
+        assert ff[0] == 1.0 and ff[-1] == 8.0 and np.any((ff > 1) & (ff < 8))
+        with pytest.raises(AssertionError):
+            within_range(eagle3_reference(w, _without_rope_scaling(cfg), feats, tokens, embed, N_VOCAB), ref, 1e-3)
     within_range(_run(Eagle3Head(config, tensors, tok_embd=target[1]), feats, tokens), ref)
+    if importlib.util.find_spec("mlx") is not None:
+        from edgespec.heads.eagle3_mlx import MlxEagle3Head
+
+        within_range(_run(MlxEagle3Head(config, tensors, tok_embd=target[1]), feats, tokens), ref)
     with LlamaCppBackend(target[0], n_ctx=64, threads=1) as tgt, \
             LlamaEagle3Head(gguf_path, tgt, kv_type="f32", flash_attn=False, threads=1) as head:
         within_range(_run(head, feats, tokens), ref)
@@ -187,7 +226,10 @@ def _edit(src: Path, dst: Path, config=None, tl=None, drop=(), add=None, rename=
     (dict(drop=["d2t"]), "no d2t"),
     (dict(add={"d2t": torch.zeros(N_DRAFT, dtype=torch.int64) + 49000}), "distinct target ids"),
     (dict(tl={"model_type": "qwen3"}), "'qwen3' decoder layer"),
-    (dict(tl={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "RoPE scaling 'llama3'"),
+    (dict(tl={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}), "RoPE scaling 'yarn'"),
+    (dict(tl={"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}), "RoPE scaling 'dynamic'"),
+    (dict(tl={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "llama3 RoPE scaling lacks low_freq_factor"),
+    (dict(tl={"partial_rotary_factor": 0.5}), "partial rotary embeddings"),
     (dict(config={"architectures": ["MistralForCausalLM"], "speculators_model_type": None}), "unknown head layout"),
 ])
 def test_bad_checkpoints_are_one_line_errors(converted, target, tmp_path: Path, edit: dict, message: str):
@@ -289,8 +331,9 @@ def test_sampling_with_a_converted_head_matches_plain(smollm2_path, published, t
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_same_gguf_as_llama_cpps_converter(converted, tmp_path: Path, layout: str):
     """The vendored llama.cpp converter (convert_hf_to_gguf.py, conversion/llama.py) on the same
-    checkpoint writes the same tensors (bit for bit in F32) and the same eagle3.* values; it keeps
-    an embed_tokens that is a copy of the target's, which edgespec drops."""
+    checkpoint writes the same tensors (bit for bit in F32, llama3's rope_freqs.weight included) and
+    the same eagle3.* values; it keeps an embed_tokens that is a copy of the target's, which edgespec
+    drops."""
     if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"needs llama.cpp's converter in {LLAMA_CPP_SRC}: {FETCH_LLAMA_CPP_SRC.format(dst=LLAMA_CPP_SRC)}")
     ckpt, _, _, ours_path = converted[layout]

@@ -46,6 +46,34 @@ def test_rope_norm_rotates_adjacent_pairs():
     np.testing.assert_array_equal(y[0, 0, 4:], x[0, 0, 4:])
 
 
+def test_rope_norm_freq_factors_divide_the_inverse_frequencies():
+    """ggml_rope_ext's freq_factors: pair i turns by pos·base^(−2i/n_rot) / ff[i] (llama3 scaling)."""
+    x = np.arange(1, 9, dtype=np.float32).reshape(1, 1, 8)
+    ff = np.array([1.0, 2.0, 8.0, 3.5], np.float32)
+    y = rope_norm(x, np.array([5]), 8, 10000.0, ff)
+    for i in range(4):
+        theta = 5 * 10000.0 ** (-2 * i / 8) / ff[i]
+        assert y[0, 0, 2 * i] == pytest.approx(x[0, 0, 2 * i] * np.cos(theta) - x[0, 0, 2 * i + 1] * np.sin(theta),
+                                               rel=1e-5)
+    np.testing.assert_allclose(rope_norm(x, np.array([5]), 8, 10000.0, np.ones(4, np.float32)),
+                               rope_norm(x, np.array([5]), 8, 10000.0))
+
+
+def test_rope_freqs_tensor_changes_the_function_and_is_checked():
+    tokens, feats = _inputs(4)
+    plain = _head()
+    base, _ = plain.decode(tokens, plain.encode(feats))
+    t = dict(plain.tensors, **{"rope_freqs.weight": np.full(4, 8.0, np.float32)})  # head_dim 8: 4 pairs
+    scaled = Eagle3Head(plain.config, t)
+    changed, _ = scaled.decode(tokens, scaled.encode(feats))
+    finite = np.isfinite(base)
+    assert np.abs(changed[finite] - base[finite]).max() > 1e-3
+    with pytest.raises(ValueError, match=r"rope_freqs.weight has shape \(3,\), expected \(4,\)"):
+        Eagle3Head(plain.config, dict(t, **{"rope_freqs.weight": np.ones(3, np.float32)}))
+    with pytest.raises(ValueError, match="positive divisors"):
+        Eagle3Head(plain.config, dict(t, **{"rope_freqs.weight": np.zeros(4, np.float32)}))
+
+
 def test_rms_norm():
     x = np.array([[3.0, 4.0]], np.float32)
     np.testing.assert_allclose(rms_norm(x, np.array([1.0, 2.0], np.float32), 0.0),

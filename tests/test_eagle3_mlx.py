@@ -18,8 +18,9 @@ V, VD, H, HT = 100, 40, 32, 24
 RTOL = 1e-4  # max |MLX − numpy| over the reference's range (float32 vs the reference's float64)
 
 
-def _pair(seed: int = 0, **kw) -> tuple[Eagle3Head, MlxEagle3Head]:
-    """The same random head in numpy and on MLX (non-trivial norms, its own token embeddings)."""
+def _pair(seed: int = 0, rope_freqs: tuple[float, ...] | None = None, **kw) -> tuple[Eagle3Head, MlxEagle3Head]:
+    """The same random head in numpy and on MLX (non-trivial norms, its own token embeddings;
+    ``rope_freqs``: llama3 scaling's divisors)."""
     base = dict(n_embd=H, n_head=4, n_head_kv=2, n_ff=48, n_embd_tgt=HT, target_layers=(2, 4, 5),
                 n_vocab=V, n_draft_vocab=VD)
     cfg = Eagle3Config(**(base | kw))
@@ -27,6 +28,8 @@ def _pair(seed: int = 0, **kw) -> tuple[Eagle3Head, MlxEagle3Head]:
     d2t = (np.sort(rng.choice(cfg.n_vocab, cfg.n_draft_vocab, replace=False))
            if cfg.n_draft_vocab < cfg.n_vocab else None)
     t = random_tensors(cfg, seed=seed, d2t=d2t)
+    if rope_freqs is not None:
+        t["rope_freqs.weight"] = np.array(rope_freqs, np.float32)
     for name in ("blk.0.attn_norm.weight", "blk.0.attn_norm_2.weight", "output_norm.weight",
                  "blk.0.ffn_norm.weight", "enc.output_norm.weight"):
         if name in t:
@@ -50,8 +53,10 @@ def _close(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("kw", [{}, {"norm_before_fc": True}, {"norm_before_residual": True},
-                                {"n_head_kv": 4, "n_rot": 4}, {"n_draft_vocab": V, "rope_base": 500.0}],
-                         ids=["plain", "norm_before_fc", "norm_before_residual", "mha_partial_rope", "no_d2t"])
+                                {"n_head_kv": 4, "n_rot": 4}, {"n_draft_vocab": V, "rope_base": 500.0},
+                                {"rope_base": 500000.0, "rope_freqs": (1.0, 2.5, 8.0, 8.0)}],
+                         ids=["plain", "norm_before_fc", "norm_before_residual", "mha_partial_rope", "no_d2t",
+                              "llama3_rope_freqs"])
 def test_mlx_head_equals_numpy(kw):
     ref, head = _pair(**kw)
     tokens, feats = _inputs(9)

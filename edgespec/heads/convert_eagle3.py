@@ -32,8 +32,12 @@ Conversion facts from llama.cpp (vendored in llama-cpp-python 0.3.36, ``conversi
 LlamaModel with ``is_eagle3``): q_proj/k_proj rows are permuted from rotate-half pairs (i, i+d/2)
 to ggml's adjacent pairs (2i, 2i+1) per head; d2t becomes absolute ids; t2d is dropped;
 ``hidden_norm`` → attn_norm_2; ``input_norm`` → enc.output_norm. Published heads have no fused-feature
-norm: the GGUF says ``eagle3.norm_before_fc = false`` explicitly. An ``embed_tokens`` that is a copy
-of the target's is dropped (the head borrows the target's, as llama.cpp does without one).
+norm: the GGUF says ``eagle3.norm_before_fc = false`` explicitly. llama3 RoPE scaling (Llama-3.1 heads'
+``rope_scaling``, top level or in speculators' transformer_layer_config) becomes the F32 tensor
+``rope_freqs.weight`` (n_rot/2 divisors of the inverse frequencies) and no key, as llama.cpp writes it
+(generate_extra_tensors) and its eagle3 graph applies it (ggml_rope_ext's freq_factors); other
+scaling types are refused. An ``embed_tokens`` that is a copy of the target's is dropped (the head
+borrows the target's, as llama.cpp does without one).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from edgespec.heads.hf_checkpoint import (
     check_shapes,
     core_sizes,
     drop_target_copy,
+    llama3_rope_factors,
     rope_theta,
 )
 
@@ -108,7 +113,6 @@ def _refuse_unsupported(ckpt: Checkpoint, hp: dict[str, Any], layout: str) -> No
                               "lm_head and feed the pre-norm h back, and nothing else")
     if hp.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where} has hidden_act={hp['hidden_act']!r}; EAGLE-3 heads use silu")
-    check_plain_rope(ckpt, hp, "EAGLE-3")
 
 
 def _target_layers(ckpt: Checkpoint, hp: dict[str, Any], target: TargetInfo) -> tuple[int, ...]:
@@ -165,6 +169,7 @@ def convert_eagle3(ckpt: Checkpoint, layout: str, target: TargetInfo,
     say = note or (lambda _line: None)
     hp = _hparams(ckpt, layout)
     _refuse_unsupported(ckpt, hp, layout)
+    rope = check_plain_rope(ckpt, hp, "EAGLE-3", scalings=("llama3",))
     names = _gguf_names(ckpt)
     H, n_head, n_vocab, n_ff = core_sizes(ckpt, hp, target)
     n_head_kv, head_dim = int(hp.get("num_key_value_heads") or n_head), int(hp.get("head_dim") or H // n_head)
@@ -194,11 +199,14 @@ def convert_eagle3(ckpt: Checkpoint, layout: str, target: TargetInfo,
     tensors[BLK + "attn_q.weight"] = permute_rope_rows(tensors[BLK + "attn_q.weight"], n_head)
     tensors[BLK + "attn_k.weight"] = permute_rope_rows(tensors[BLK + "attn_k.weight"], n_head_kv)
     _vocab_map(ckpt, names, config, tensors)
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(ckpt, rope, config.rope_base, config.n_rot)
     drop_target_copy(tensors, names.get("token_embd.weight", ""), target, say)
     if "token_embd.weight" not in tensors and H != target.n_embd:
         raise CheckpointError(f"{ckpt.path} has no embed_tokens and hidden size {H}: it can borrow the target's "
                               f"embeddings only if that equals the target's {target.n_embd}")
-    check_shapes(ckpt, tensors, config.shapes(own_embd="token_embd.weight" in tensors), names)
+    check_shapes(ckpt, tensors, config.shapes(own_embd="token_embd.weight" in tensors,
+                                              rope_freqs="rope_freqs.weight" in tensors), names)
     return config, tensors
 
 

@@ -15,6 +15,8 @@ Decoder at head position P takes the pair (t_{P+1}, g_P) and predicts t_{P+2}:
   r = attn · wo + g_P (``norm_before_residual``: + n); h = r + FFN(RMSNorm(r)·ffn_norm)   has its own)
   logits over V_d = output · (RMSNorm(h) · output_norm), scattered to V by d2t (others −inf).
 The pre-norm h is the next g when the head drafts on from its own output (common/speculative.cpp).
+A head with ``rope_freqs.weight`` (llama3 RoPE scaling, from a Llama-3.1 head's config) divides
+each pair's inverse frequency by it, as ggml_rope_ext does with its freq_factors.
 
 As in llama.cpp, the decoder needs H == H_t when it borrows the target's token embeddings.
 GGUF Q/K rows are in ggml's interleaved-RoPE order: weights trained here keep that convention.
@@ -33,6 +35,7 @@ from edgespec.heads.numpy_ops import attention, rms_norm, rope_norm, silu
 
 F32 = npt.NDArray[np.float32]
 BLK = "blk.0."
+ROPE_FREQS = "rope_freqs.weight"  # optional: llama3 RoPE scaling, theta_i = pos·base^(−2i/n_rot) / rope_freqs[i]
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,9 @@ class Eagle3Config:
         if not 0 < self.n_draft_vocab <= self.n_vocab:
             raise ValueError(f"n_draft_vocab must be in 1..n_vocab={self.n_vocab} (got {self.n_draft_vocab})")
 
-    def shapes(self, own_embd: bool = False) -> dict[str, tuple[int, ...]]:
-        """GGUF tensor name → numpy shape of every tensor the head carries (d2t only if V_d < V)."""
+    def shapes(self, own_embd: bool = False, rope_freqs: bool = False) -> dict[str, tuple[int, ...]]:
+        """GGUF tensor name → numpy shape of every tensor the head carries (d2t only if V_d < V;
+        ``rope_freqs``: the llama3 RoPE scaling divisors, one per rotated pair)."""
         H, qd, kvd = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
         s: dict[str, tuple[int, ...]] = {"fc.weight": (H, 3 * self.n_embd_tgt)}
         if self.norm_before_fc:
@@ -86,11 +90,13 @@ class Eagle3Config:
             s["d2t"] = (self.n_draft_vocab,)
         if own_embd:
             s["token_embd.weight"] = (self.n_vocab, H)
+        if rope_freqs:
+            s[ROPE_FREQS] = (self.n_rot // 2,)
         return s
 
     def check_tensors(self, tensors: Mapping[str, npt.NDArray]) -> None:
         """ValueError naming the first missing, unknown or misshapen tensor."""
-        want = self.shapes(own_embd="token_embd.weight" in tensors)
+        want = self.shapes(own_embd="token_embd.weight" in tensors, rope_freqs=ROPE_FREQS in tensors)
         for name, shape in want.items():
             if name not in tensors:
                 raise ValueError(f"EAGLE-3 head lacks tensor {name} {shape}")
@@ -103,6 +109,8 @@ class Eagle3Config:
             d2t = np.asarray(tensors["d2t"])
             if d2t.min() < 0 or d2t.max() >= self.n_vocab or len(np.unique(d2t)) != len(d2t):
                 raise ValueError(f"d2t must hold distinct target ids in 0..{self.n_vocab - 1}")
+        if ROPE_FREQS in tensors and not np.all(np.asarray(tensors[ROPE_FREQS]) > 0):
+            raise ValueError(f"{ROPE_FREQS} must hold positive divisors (got {np.asarray(tensors[ROPE_FREQS]).min()})")
 
 
 def random_tensors(config: Any, seed: int = 0, d2t: npt.NDArray[np.int64] | None = None,
@@ -227,7 +235,8 @@ class Eagle3Head(Eagle3Sizes):
         q = (x @ t[BLK + "attn_q.weight"].T).astype(np.float32).reshape(n, c.n_head, c.head_dim)
         k = (x @ t[BLK + "attn_k.weight"].T).astype(np.float32).reshape(n, c.n_head_kv, c.head_dim)
         v = (x @ t[BLK + "attn_v.weight"].T).astype(np.float32).reshape(n, c.n_head_kv, c.head_dim)
-        q, k = rope_norm(q, pos, c.n_rot, c.rope_base), rope_norm(k, pos, c.n_rot, c.rope_base)
+        ff = t.get(ROPE_FREQS)
+        q, k = rope_norm(q, pos, c.n_rot, c.rope_base, ff), rope_norm(k, pos, c.n_rot, c.rope_base, ff)
         self._k, self._v = np.concatenate([self._k, k]), np.concatenate([self._v, v])
         kpos = np.arange(self.n_past, dtype=np.int64)
         a = attention(q, self._k, self._v, pos, kpos, 1.0 / np.sqrt(c.head_dim))

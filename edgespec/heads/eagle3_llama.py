@@ -10,6 +10,9 @@ token embeddings through it (llama.cpp refuses to create the context otherwise).
   target vocabulary (−inf outside d2t) and the pre-norm hidden state
   (``llama_get_embeddings_nextn_ith``), which is the next g when drafting on.
 
+A head with ``rope_freqs.weight`` (llama3 RoPE scaling) needs nothing here: llama.cpp's eagle3 graph
+loads it as ``layers[0].rope_freqs`` and passes it to ggml_rope_ext as freq_factors.
+
 Same interface as the numpy ``Eagle3Head`` (encode / decode / truncate / n_past), so the two can be
 compared on the same inputs.
 """

@@ -2,8 +2,8 @@
 
 Same notation, weights and conventions as eagle3.py (read its module docstring): GGUF tensor names
 (matrices held transposed, (in, out), for speed), RoPE in ggml mode 0 (adjacent pairs: ``mx.fast.rope`` with
-``traditional=True``), ``norm_before_fc``, ``norm_before_residual``, d2t scattering the draft
-vocabulary's logits into the target's (−inf elsewhere). The KV cache is a pair of growing mx arrays
+``traditional=True``; llama3 scaling's ``rope_freqs`` through its ``freqs``), ``norm_before_fc``,
+``norm_before_residual``, d2t scattering the draft vocabulary's logits into the target's (−inf elsewhere). The KV cache is a pair of growing mx arrays
 (1, n_head_kv, positions, head_dim), truncated by slicing. Inputs and outputs are numpy, as for
 Eagle3Head, so EagleDrafter runs either unchanged.
 """
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.eagle3 import BLK, Eagle3Config, Eagle3Sizes
+from edgespec.heads.eagle3 import BLK, ROPE_FREQS, Eagle3Config, Eagle3Sizes
 from edgespec.heads.mlx_ops import MlxHeadWeights, merge_heads, silu_ffn, split_heads, to_target_vocab
 
 F32 = npt.NDArray[np.float32]
@@ -36,6 +36,10 @@ class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
         mx = self._mx
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k, self._v = mx.zeros(kv, mx.float32), mx.zeros(kv, mx.float32)
+        # mx.fast.rope's freqs are periods base^(2i/n_rot) (theta = pos / freqs[i]): llama3's divisors multiply them
+        self._freqs = None if ROPE_FREQS not in tensors else mx.array(
+            (config.rope_base ** (np.arange(0, config.n_rot, 2) / config.n_rot)
+             * np.asarray(tensors[ROPE_FREQS], np.float64)).astype(np.float32))
 
     @property
     def n_past(self) -> int:
@@ -77,8 +81,9 @@ class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
         x = mx.concatenate([e, gn], axis=1)  # (n, 2H)
 
         def heads(y: Any, count: int) -> Any:  # (n, count·d) → (1, count, n, d), RoPE'd at p0..p0+n-1
-            return mx.fast.rope(split_heads(y, n, count, hd), c.n_rot, traditional=True, base=c.rope_base,
-                                scale=1.0, offset=p0)
+            return mx.fast.rope(split_heads(y, n, count, hd), c.n_rot, traditional=True,
+                                base=None if self._freqs is not None else c.rope_base, scale=1.0, offset=p0,
+                                freqs=self._freqs)
 
         q = heads(x @ w[BLK + "attn_q.weight"], c.n_head)
         k = heads(x @ w[BLK + "attn_k.weight"], c.n_head_kv)

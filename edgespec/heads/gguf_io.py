@@ -7,7 +7,8 @@ conversion/llama.py): architecture ``eagle3``; keys ``eagle3.target_layers`` (IN
 ``eagle3.norm_before_fc`` (BOOL) plus the usual llama hyperparameters under ``eagle3.*``; tensors
 ``fc.weight``, ``blk.0.{attn_norm,attn_norm_2,attn_q,attn_k,attn_v,attn_output,ffn_norm,ffn_gate,
 ffn_up,ffn_down}.weight``, ``output_norm.weight``, ``output.weight``, ``d2t`` (I64: absolute target
-token id of each draft id), optional ``enc.output_norm.weight`` and ``token_embd.weight``. The file
+token id of each draft id), optional ``enc.output_norm.weight``, ``token_embd.weight`` and
+``rope_freqs.weight`` (F32, n_rot/2: llama3 RoPE scaling's divisors; no rope.scaling.* key). The file
 carries the target's ``tokenizer.*`` metadata (llama.cpp needs the vocabulary: the d2t scatter is
 ``n_vocab`` wide, and its draft/target compatibility check compares vocabularies).
 """

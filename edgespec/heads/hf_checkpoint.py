@@ -212,13 +212,43 @@ def core_sizes(ckpt: Checkpoint, hp: dict[str, Any], target: TargetInfo) -> tupl
     return h, n_head, n_vocab, n_ff
 
 
-def check_plain_rope(ckpt: Checkpoint, hp: dict[str, Any], kind: str) -> None:
-    """Refuse RoPE scaling and partial rotary embeddings: the heads implement plain RoPE only."""
+def check_plain_rope(ckpt: Checkpoint, hp: dict[str, Any], kind: str,
+                     scalings: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config's RoPE parameters (transformers v5's rope_parameters or the older rope_scaling);
+    CheckpointError naming the type for RoPE scaling other than ``scalings`` (the head implements
+    plain RoPE and those) and for partial rotary embeddings."""
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     scaling = rope.get("rope_type", rope.get("type", "default"))
-    if scaling != "default" or rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 1.0)) != 1.0:
+    if scaling not in ("default", *scalings):
+        also = "".join(f" and {s} scaling" for s in scalings)
         raise CheckpointError(f"{ckpt.path} uses RoPE scaling {scaling!r}; edgespec's {kind} head implements plain "
-                              "RoPE only")
+                              f"RoPE{also} only")
+    if rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{ckpt.path} uses partial rotary embeddings; edgespec's {kind} head rotates whole heads")
+    return rope
+
+
+def llama3_rope_factors(ckpt: Checkpoint, rope: dict[str, Any], base: float, dim: int) -> npt.NDArray[np.float32]:
+    """llama.cpp's ``rope_freqs.weight`` for llama3 RoPE scaling (conversion/llama.py
+    generate_extra_tensors; transformers' _compute_llama3_parameters): per rotated pair i, the
+    divisor of its inverse frequency base^(−2i/dim), 1 for wavelengths below
+    original_max_position_embeddings / high_freq_factor, ``factor`` above … / low_freq_factor,
+    smoothly in between; in float32, as llama.cpp's torch code computes it (equal to it but for
+    rare 1-ulp differences of torch's pow)."""
+    try:
+        factor, low, high, old_ctx = (rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"))
+    except KeyError as e:
+        raise CheckpointError(f"{ckpt.path}: llama3 RoPE scaling lacks {e.args[0]}") from None
+    f32 = np.float32
+    powed = np.float64(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)).astype(np.float64)
+    inv_freq = f32(1.0) / powed.astype(f32)  # torch's float32 pow is (nearly) the rounded float64 one
+    wavelen = (f32(1.0) / inv_freq) * f32(2 * np.pi)  # torch's scalar / tensor is reciprocal(tensor) · scalar
+    smooth = ((f32(1.0) / wavelen) * f32(old_ctx) - f32(low)) / f32(high - low) if high != low \
+        else np.zeros_like(wavelen)
+    mid = f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth)
+    return np.where(wavelen < f32(old_ctx / high), f32(1.0),
+                    np.where(wavelen > f32(old_ctx / low), f32(factor), mid)).astype(np.float32)
 
 
 def rope_theta(hp: dict[str, Any], default: float) -> float:

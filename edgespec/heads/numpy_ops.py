@@ -17,11 +17,16 @@ def rms_norm(x: F32, weight: F32, eps: float) -> F32:
     return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight).astype(np.float32)
 
 
-def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
+def rope_norm(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float,
+              freq_factors: F32 | None = None) -> F32:
     """ggml_rope_ext in mode 0 (LLAMA_ROPE_TYPE_NORM): rotate adjacent pairs (x[2i], x[2i+1]) by
-    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
+    pos·base^(−2i/n_rot) / freq_factors[i] (ggml's freq_factors, e.g. llama3 scaling's rope_freqs;
+    None: 1); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
     i = np.arange(n_rot // 2, dtype=np.float64)
-    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * i / n_rot)  # (n, n_rot/2)
+    inv_freq = base ** (-2.0 * i / n_rot)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
+    theta = positions.astype(np.float64)[:, None] * inv_freq  # (n, n_rot/2)
     cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     out = x.astype(np.float64).copy()
     x0, x1 = out[..., 0:n_rot:2].copy(), out[..., 1:n_rot:2].copy()
