@@ -142,7 +142,8 @@ def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_
     near = [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)]
     backend.eval(base[n0:n0 + far], rows="none")
     farther = statistics.median(_forward_ms(backend, base, n0 + far, k, chunk) for _ in range(repeats))
-    backend.truncate(n0)  # timed again after: drift brackets the far timings
+    backend.truncate(0)  # timed again after (drift brackets the far timings); prefilled again, as a
+    backend.eval(base[:n0], rows="none")  # recurrent state cannot go back past its checkpoint
     near = statistics.median(near + [_forward_ms(backend, base, n0, k, chunk) for _ in range(repeats)])
     backend.truncate(0)
     ms = max(0.0, (farther - near) / (k * far))
@@ -168,6 +169,7 @@ def exact_batch(backend: Backend, k_max: int = 16, note: Callable[[str], None] |
         toks = [int(t) for t in rng.integers(1, min(backend.n_vocab, 5000), n0 + k_max)]
         backend.truncate(0)
         backend.eval(toks[:n0], rows="none")
+        backend.checkpoint()
         single = np.stack([backend.eval([t], rows="last")[0] for t in toks[n0:]])
         for k in range(2, best + 1):
             backend.truncate(n0)
@@ -204,6 +206,7 @@ def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
     base = _timing_tokens(backend, n0 + max(ks))
     backend.truncate(0)
     backend.eval(base[:n0], rows="none")
+    backend.checkpoint()
     backend.eval(base[n0:n0 + 1], rows="all")  # warm-up
     backend.truncate(n0)
     times: dict[int, list[float]] = {k: [] for k in ks}
@@ -223,7 +226,9 @@ def _timing_tokens(backend: Backend, n: int) -> list[int]:
 
 def _forward_ms(backend: Backend, tokens: Sequence[int], at: int, k: int, chunk: int | None) -> float:
     """ms of a k-token forward (all rows) of tokens[at:at+k] after `at` cached ones, in forwards of
-    at most `chunk` tokens; the cache is cut back to `at` afterwards."""
+    at most `chunk` tokens; the cache is cut back to `at` afterwards (a recurrent one restores a
+    checkpoint taken here, outside the timing)."""
+    backend.checkpoint()
     t0 = time.perf_counter()
     for i in range(0, k, chunk or k):
         backend.eval(tokens[at + i:at + min(k, i + (chunk or k))], rows="all")

@@ -4,7 +4,11 @@ drafter (fixed > 0: a block drafter, one forward for all rows), both following t
 Verification grows with the context: every verified token attends to every cached one, and a batch
 does not share that work (llama.cpp's CPU flash attention), so T(k, c) = T(k) + k·ctx_ms·(c − c₀),
 with T(k) the time after c₀ cached tokens (the profile's context). On SmolLM2 here ctx_ms is about
-5 µs: after 1000 tokens T(16) is ~11·T(1) instead of 8."""
+5 µs: after 1000 tokens T(16) is ~11·T(1) instead of 8.
+
+A recurrent target pays for a partial acceptance once more: keeping n of γ drafts restores its
+checkpoint and re-evaluates n + 1 tokens, T_rollback(n) = restore + T(n + 1) (restore learned from
+the rollbacks timed; 0 before the first)."""
 
 from __future__ import annotations
 
@@ -51,11 +55,12 @@ class CostModel:
         block: the drafter computes every row of a block before any confidence is known, so a
             confidence cut saves verification only, never drafting.
         ctx_ms: ms each verified token pays per cached token beyond base_context (0: none).
+        recurrent: the target rolls back by checkpoint and re-evaluation (`t_rollback`).
     """
 
     def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0,
                  draft_fixed_ms: float = 0.0, block: bool = False, ctx_ms: float = 0.0,
-                 base_context: int = 64) -> None:
+                 base_context: int = 64, recurrent: bool = False) -> None:
         ks = sorted(t_forward_ms)
         self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
                               else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
@@ -65,6 +70,8 @@ class CostModel:
         self.draft_at = [RobustTime() for _ in range(K_MAX)]  # [γ]: ms of drafting γ tokens
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
         self.ctx_ms, self.base_context = ctx_ms, base_context
+        self.recurrent = recurrent
+        self.restore = RobustTime()  # a rollback's ms beyond re-evaluating the kept tokens
         self._verify: list[float] | None = None
         self._draft = self._line(draft_fixed_ms, draft_per_token_ms)
 
@@ -86,6 +93,19 @@ class CostModel:
         self.verify[k].add(ms)
         self.scale.add(ms / self.prior[k])
         self._verify = None
+
+    def observe_rollback(self, kept: int, ms: float, context: int | None = None) -> None:
+        """Rolling a recurrent target back to `kept` accepted drafts took ms (restore + re-evaluating
+        kept + 1 tokens) after `context` cached tokens."""
+        self.restore.add(ms - self.t_verify(context)[kept + 1])
+
+    def t_rollback(self, context: int | None = None) -> list[float] | None:
+        """[n] = expected ms to roll back when n drafts are accepted and a later one is not (None: a
+        KV cache, whose cut costs nothing worth pricing)."""
+        if not self.recurrent:
+            return None
+        t_verify, restore = self.t_verify(context), self.restore.value
+        return [max(0.0, restore + t_verify[n + 1]) for n in range(K_MAX)]
 
     def observe_draft(self, n_tokens: int, ms: float, synced: int = 0) -> None:
         """A draft of n_tokens (a block drafter: rows computed) took ms, of which catching up on

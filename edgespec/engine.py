@@ -2,6 +2,8 @@
 
 Target KV invariant: `self._kv` lists exactly the tokens in the target's KV cache. The newest
 token (`pending`) is never in it yet: each cycle evaluates [pending, x̃₁..x̃γ] in one pass.
+A recurrent target (backends/base.py) is checkpointed before that pass; rolling it back restores
+the checkpoint and re-evaluates the accepted tokens, a cost the scheduler prices.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.drafters.base import Draft, DraftCost, Drafter, common_prefix
+from edgespec.drafters.base import Draft, DraftCost, Drafter, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import K_MAX, CostModel, Scheduler
@@ -71,6 +73,7 @@ class Engine:
         self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
         self._busy = threading.Lock()
+        self._checkpoint_at: int | None = None  # a recurrent target's last checkpoint (None: none)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached prompt (the next generation evaluates its prompt from scratch)."""
-        self._kv = []
+        self._kv, self._checkpoint_at = [], None
         self.target.truncate(0)
 
     def close(self) -> None:
@@ -241,7 +244,8 @@ class Engine:
             self._calibrate()
             assert self._t_forward is not None
             cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter),
-                                         ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS)
+                                         ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS,
+                                         recurrent=self.target.recurrent)
             self._schedulers[key] = Scheduler(cost)
         return self._schedulers[key]
 
@@ -292,9 +296,11 @@ class Engine:
 
     def _prefill(self, ids: list[int], stats: Stats) -> int:
         """Evaluate all prompt tokens but the last, reusing the cached common prefix."""
-        n_keep = common_prefix(self._kv, ids[:-1])
+        n_keep = reusable_prefix(self._kv, ids[:-1], self.target.recurrent, self._checkpoint_at)
         self._kv = self._kv[:n_keep]
         self.target.truncate(n_keep)
+        if n_keep == 0:  # truncate(0) dropped a recurrent target's checkpoint
+            self._checkpoint_at = None
         if len(ids) - 1 > n_keep:
             self.target.eval(ids[n_keep:-1], rows="none")
             self._kv.extend(ids[n_keep:-1])
@@ -320,16 +326,25 @@ class Engine:
         x = draft.tokens[:gamma]  # x̃₁..x̃γ
         q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
         t1 = time.perf_counter()
+        if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
+            self.target.checkpoint()
+            self._checkpoint_at = n_cached
         logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
         t2 = time.perf_counter()
         rows: list[Dist] | None = [] if sched is not None and not params.greedy else None
         n, token = verify(logits, x, q, params, rng, rows)
         self._kv.append(pending)
         self._kv.extend(x[:n])
-        self.target.truncate(len(self._kv))  # roll back the rejected drafts
+        t_cut = time.perf_counter()
+        self.target.truncate(len(self._kv))  # roll back the rejected drafts (recurrent: re-evaluates)
         t3 = time.perf_counter()
+        rollback = t3 - t_cut if self.target.recurrent and n < len(x) else 0.0
+        if rollback:
+            stats.t_rollback += rollback
+            stats.n_rollbacks += 1
         if sched is not None:
-            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1, n_cached)
+            sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1 - rollback, n_cached,
+                          rollback=rollback)
             sched.emitted([*x[:n], token], rows)
         stats.record_cycle(len(x), n, t3 - t0, plan)
         stats.t_draft += t1 - t0

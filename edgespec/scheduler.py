@@ -2,15 +2,18 @@
 
 Each cycle takes the γ (0 = a plain step) with the most expected tokens per second,
 
-    rate(γ) = E[tokens | γ] / (T_draft(γ) + T_verify(γ + 1)),    E[tokens | γ] = 1 + S₁ + … + S_γ,
+    rate(γ) = E[tokens | γ] / (T_draft(γ) + T_verify(γ + 1) + Σ_{n<γ} (S_n − S_{n+1})·T_rollback(n)),
 
-where S_i, the chance that drafts 1..i are all accepted, is the product of per-position conditional
+with E[tokens | γ] = 1 + S₁ + … + S_γ, where S_i (S₀ = 1), the chance that drafts 1..i are all
+accepted, is the product of per-position conditional
 acceptance rates learned online, or of the drafter's calibrated confidences for tokens already
 drafted (DSpark's survival product). Costs (edgespec.costs) start from the cost profile and the
 drafter's prior, follow the cycles actually timed and grow with the context (attention is not
 shared by a batch); T_draft(γ) = fixed + γ·per_token, and a block
 drafter (DFlash: one forward for every row) has paid for all rows before its confidences are known,
-so its confidence cut shortens verification only. When no γ > 0 wins, plain steps run and learning goes on: a free drafter (n-gram)
+so its confidence cut shortens verification only. T_rollback is 0 for a KV cache; a recurrent
+target re-evaluates the kept tokens after a partial acceptance (edgespec.costs). When no γ > 0 wins,
+plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
 small time budget.
 """
@@ -28,7 +31,7 @@ from edgespec.drafters.base import Draft, Drafter
 from edgespec.sampling import Dist, SamplingParams
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
-           "best_gamma"]
+           "best_gamma", "expected_rollback"]
 FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
@@ -38,18 +41,28 @@ SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
 RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
 
 
-def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float]) -> tuple[int, float]:
-    """argmax_γ of (1 + Σ_{i≤γ} S_i) / (t_draft[γ] + t_verify[γ+1]) for 0 ≤ γ ≤ len(survival),
-    and that rate in tokens per unit of time. t_draft[0] is a plain step's (0), t_verify[k] is
-    T(k) (index 0 unused)."""
+def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
+               t_rollback: Sequence[float] | None = None) -> tuple[int, float]:
+    """argmax_γ of (1 + Σ_{i≤γ} S_i) / (t_draft[γ] + t_verify[γ+1] + E[rollback | γ]) for
+    0 ≤ γ ≤ len(survival), and that rate in tokens per unit of time. t_draft[0] is a plain step's
+    (0), t_verify[k] is T(k) (index 0 unused), t_rollback[n] the cost of keeping n of more drafts
+    (None: free)."""
     best, best_rate, tokens = 0, -1.0, 1.0
     for g in range(len(survival) + 1):
         if g > 0:
             tokens += survival[g - 1]
-        rate = tokens / (t_draft[g] + t_verify[g + 1])
+        rate = tokens / (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, t_rollback))
         if rate > best_rate:
             best, best_rate = g, rate
     return best, best_rate
+
+
+def expected_rollback(survival: Sequence[float], gamma: int, t_rollback: Sequence[float] | None) -> float:
+    """Σ_{n<γ} P(exactly n drafts accepted) · t_rollback[n], with P = S_n − S_{n+1} (S₀ = 1)."""
+    if not t_rollback or gamma == 0:
+        return 0.0
+    s = [1.0, *survival[:gamma]]
+    return sum((s[n] - s[n + 1]) * t_rollback[n] for n in range(gamma))
 
 
 class Acceptance:
@@ -133,6 +146,7 @@ class Scheduler:
     _probing: bool = False
     _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
     _context: int | None = None  # tokens in the target's cache at the latest draft() call
+    _rollback: list[float] | None = None  # the cost model's T_rollback at the latest draft() call
 
     @property
     def acceptance(self) -> Acceptance:
@@ -152,9 +166,10 @@ class Scheduler:
         limit = min(limit, K_MAX - 1)
         self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
+        self._rollback = self.cost.t_rollback(self._context)
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
         gamma, _ = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
-                              t_draft, t_verify)
+                              t_draft, t_verify, self._rollback)
         free = self.free
         probe = False
         if gamma == 0 and limit > 0 and not free:
@@ -194,15 +209,21 @@ class Scheduler:
         d = replace(d, tokens=d.tokens[:g], q=None if d.q is None else d.q[:g],
                     confidence=None if d.confidence is None else d.confidence[:g])
         seconds += time.perf_counter() - t1
-        return d, Decision(g, tokens, t_draft[self._drafted] + t_verify[g + 1], probe, seconds)
+        ms = t_draft[self._drafted] + t_verify[g + 1] + expected_rollback(
+            self._survival(d.confidence, g), g, self._rollback)
+        return d, Decision(g, tokens, ms, probe, seconds)
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
-                context: int | None = None) -> None:
+                context: int | None = None, rollback: float = 0.0) -> None:
         """Learn from a verified cycle (times in seconds) that began with `context` tokens in the
-        target's cache (None: as the latest `draft()` call saw)."""
+        target's cache (None: as the latest `draft()` call saw); `rollback`: the time a recurrent
+        target took to come back to the accepted tokens (0: none, or not recurrent)."""
         g = len(draft.tokens)
         free = self.free
-        self.cost.observe_verify(g + 1, t_verify * 1000, self._context if context is None else context)
+        context = self._context if context is None else context
+        self.cost.observe_verify(g + 1, t_verify * 1000, context)
+        if rollback:
+            self.cost.observe_rollback(accepted, rollback * 1000, context)
         if g:  # the cost of what was drafted (a block: every row computed), however much was verified
             self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
@@ -268,15 +289,17 @@ class Scheduler:
         """Best γ ≤ `most` once n confidences are known and `sunk` tokens drafted (their cost is
         spent whatever γ verifies): returns (γ, expected tokens)."""
         s = self._survival(confidence, n)[:most]
-        g, _ = best_gamma(s, [t_draft[max(g, sunk)] for g in range(most + 1)], t_verify)
+        g, _ = best_gamma(s, [t_draft[max(g, sunk)] for g in range(most + 1)], t_verify, self._rollback)
         return g, 1.0 + sum(s[:g])
 
     def _probe_gamma(self, limit: int, t_draft: Sequence[float], t_verify: Sequence[float]) -> int:
         """A probe's γ if its turn has come: what would win at PROBE_ACCEPTANCE, once plain steps
         have run long enough that the probe's expected loss fits PROBE_BUDGET of their time."""
-        g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify)
+        g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify,
+                              self._rollback)
         g = max(g_opt, 1)
-        s = sum(self._survival(None, 0)[:g])
-        loss = t_draft[g] + t_verify[g + 1] - (1.0 + s) * t_verify[1] + self.cost.t_catch_up(self._lag)
+        survival = self._survival(None, 0)
+        loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, self._rollback)
+                - (1.0 + sum(survival[:g])) * t_verify[1] + self.cost.t_catch_up(self._lag))
         budget = PROBE_BUDGET if g_opt > 0 else PROBE_BUDGET / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0

@@ -42,6 +42,8 @@ class Stats:
     t_other: float = 0.0  # sampling, verification, detokenization, bookkeeping
     t_plain: float = 0.0  # time in cycles that verified no draft (plain steps)
     t_schedule: float = 0.0  # the scheduler's own decisions (-k auto)
+    t_rollback: float = 0.0  # a recurrent target's rollbacks: restore + re-evaluation (part of t_other)
+    n_rollbacks: int = 0  # partial acceptances a recurrent target paid a rollback for
     n_planned: int = 0  # cycles the scheduler planned
     n_probes: int = 0  # of them, probes (a losing drafter tried again)
     predicted_tokens: float = 0.0  # the scheduler's expected tokens, summed over planned cycles
@@ -122,7 +124,8 @@ class Stats:
     def merge(self, other: Stats) -> Stats:
         out = Stats()
         for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other",
-                     "t_plain", "t_schedule", "n_planned", "n_probes", "predicted_tokens", "predicted_s"):
+                     "t_plain", "t_schedule", "t_rollback", "n_rollbacks", "n_planned", "n_probes",
+                     "predicted_tokens", "predicted_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.cycles = self.cycles + other.cycles
         out.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)

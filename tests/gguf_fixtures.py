@@ -76,6 +76,38 @@ def _weights(specs, seed: int) -> dict[str, npt.NDArray[np.float32]]:
     return out
 
 
+def random_weights(specs, *, seed: int, perturb: float = 0.0, base_seed: int | None = None
+                   ) -> dict[str, npt.NDArray[np.float32]]:
+    """Weights for (name, numpy shape, init std) specs (std 0: ones): N(0, std²) from ``seed``; with
+    ``perturb > 0``, those of ``base_seed`` (default ``seed``) plus ``perturb`` × std × noise seeded
+    by ``seed``, token_embd and the ones kept (a drafter sharing the target's embeddings)."""
+    if perturb <= 0:
+        return _weights(specs, seed)
+    weights = _weights(specs, seed if base_seed is None else base_seed)
+    noise_rng = np.random.default_rng([seed, 0x5EED])
+    for name, shape, std in specs:
+        if std != 0.0 and name != "token_embd.weight":
+            noise = noise_rng.standard_normal(shape, dtype=np.float32) * np.float32(perturb * std)
+            weights[name] = weights[name] + noise
+    return weights
+
+
+def vocab_size(vocab_source: Path) -> int:
+    """Number of tokens in ``vocab_source``'s vocabulary."""
+    return next(len(v) for k, v, *_ in _tokenizer_fields(Path(vocab_source)) if k == "tokenizer.ggml.tokens")
+
+
+def add_tokenizer(w: gguf.GGUFWriter, vocab_source: Path, chat_template: str | None = None) -> None:
+    """Copy every ``tokenizer.*`` field of ``vocab_source`` into ``w`` (``chat_template``, if given,
+    replaces the template)."""
+    for key, value, vtype, sub_type in _tokenizer_fields(Path(vocab_source)):
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            continue
+        w.add_key_value(key, list(value) if isinstance(value, tuple) else value, vtype, sub_type)
+    if chat_template is not None:
+        w.add_key_value("tokenizer.chat_template", chat_template, gguf.GGUFValueType.STRING)
+
+
 def build_tiny_llama(
     path: str | Path,
     *,
@@ -120,18 +152,9 @@ def build_tiny_llama(
     path = Path(path)
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError(f"n_embd {n_embd} / n_head {n_head} / n_head_kv {n_head_kv} do not divide")
-    tok_fields = _tokenizer_fields(Path(vocab_source))
-    n_vocab = next(len(v) for k, v, *_ in tok_fields if k == "tokenizer.ggml.tokens")
+    n_vocab = vocab_size(vocab_source)
     specs = _tensor_specs(n_vocab, n_layer, n_embd, n_head, n_head_kv, n_ff, tied_output, layer_scale)
-    if perturb > 0:
-        weights = _weights(specs, seed if base_seed is None else base_seed)
-        noise_rng = np.random.default_rng([seed, 0x5EED])
-        for name, shape, std in specs:
-            if std != 0.0 and name != "token_embd.weight":
-                noise = noise_rng.standard_normal(shape, dtype=np.float32) * np.float32(perturb * std)
-                weights[name] = weights[name] + noise
-    else:
-        weights = _weights(specs, seed)
+    weights = random_weights(specs, seed=seed, perturb=perturb, base_seed=base_seed)
 
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(f"edgespec tiny llama (seed {seed}, perturb {perturb}, base {base_seed})")
@@ -146,12 +169,7 @@ def build_tiny_llama(
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n_vocab)
-    for key, value, vtype, sub_type in tok_fields:
-        if key == "tokenizer.chat_template" and chat_template is not None:
-            continue
-        w.add_key_value(key, list(value) if isinstance(value, tuple) else value, vtype, sub_type)
-    if chat_template is not None:
-        w.add_key_value("tokenizer.chat_template", chat_template, gguf.GGUFValueType.STRING)
+    add_tokenizer(w, vocab_source, chat_template)
     for name, _shape, _std in specs:
         w.add_tensor(name, weights[name])
     w.write_header_to_file()

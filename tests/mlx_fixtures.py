@@ -22,9 +22,25 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=2,
                         head_dim=16, num_key_value_heads=1, sliding_window=4, sliding_window_pattern=2,
                         query_pre_attn_scalar=16, rms_norm_eps=1e-6),
-    # a recurrent model: its ArraysCache cannot be rolled back
+    # recurrent (ArraysCache state, restored from a checkpoint): Mamba, Mamba-2
     "mamba": dict(hidden_size=16, intermediate_size=32, state_size=4, num_hidden_layers=1, conv_kernel=4,
                   use_bias=False, use_conv_bias=True, time_step_rank=4, tie_word_embeddings=True),
+    "mamba2": dict(num_heads=4, head_dim=8, hidden_size=16, intermediate_size=32, state_size=8,
+                   num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
+                   use_conv_bias=True, tie_word_embeddings=False, time_step_limit=[0.0, 100.0], time_step_rank=4),
+    # hybrids: LFM2 (short-conv layers 0, 2 beside attention layers 1, 3); Falcon-H1 (each layer:
+    # Mamba-2 state + KV in a CacheList)
+    "lfm2": dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=32,
+                 block_ff_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3]),
+    "falcon_h1": dict(hidden_size=32, head_dim=8, intermediate_size=64, mamba_d_head=8, mamba_d_ssm=32,
+                      mamba_d_state=8, mamba_n_heads=4, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2),
+    # still refused: a sliding-window RotatingKVCache inside a CacheList (layer 0 slides)
+    "baichuan_m1": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, rope_theta=10000.0, sliding_window=4, sliding_window_layers=[0],
+                        conv_window=2, rms_norm_eps=1e-5),
 }
 
 
@@ -35,7 +51,8 @@ def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llam
     Args:
         out: directory to create.
         n_vocab: vocabulary size (6: small enough to enumerate every sampled path).
-        model_type: "llama", "gemma3_text" or "mamba" (recurrent, for the refusal test).
+        model_type: a key of _CONFIGS: "llama", "gemma3_text"; recurrent "mamba", "mamba2"; hybrid
+            "lfm2", "falcon_h1"; "baichuan_m1" (still refused).
         seed: weight seed; with perturb > 0 it seeds the noise added to base_seed's weights.
         perturb: noise scale relative to each tensor's init (a drafter of tunable quality).
         base_seed: the seed of the model being perturbed (default seed).

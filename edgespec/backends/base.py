@@ -2,6 +2,12 @@
 
 A backend owns one model and one sequence of KV state. Positions are implicit: `eval` appends
 tokens at `n_past`, `truncate` rolls back. Logits come back only for the rows asked for.
+
+A recurrent or hybrid model (Mamba-2, LFM2's short convolutions, linear attention) keeps a state that
+cannot be cut back to an earlier position. Such a backend says `recurrent = True`; its `truncate`
+returns to the last `checkpoint()` and re-evaluates the tokens from there (StateCheckpoint), so the
+engine, calibration and drafters roll back the same way on every model: checkpoint before tokens
+that may be rolled back, truncate after.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.errors import ContextOverflowError
+from edgespec.errors import BackendError, ContextOverflowError
 
 # Which logit rows `eval` returns: none, the last one, or one per evaluated token.
 LogitRows = Literal["none", "last", "all"]
@@ -29,6 +35,7 @@ class Backend(Protocol):
     eos_id: int | None
     add_bos: bool  # whether tokenize(add_special=True) prepends BOS
     threads: int  # CPU threads it computes with (0: chosen by the runtime, or in-process numpy)
+    recurrent: bool  # some layers keep a state `truncate` can only restore from a checkpoint
 
     @property
     def n_past(self) -> int:
@@ -53,7 +60,14 @@ class Backend(Protocol):
         ...
 
     def truncate(self, n_past: int) -> None:
-        """Roll the KV cache back to its first `n_past` tokens."""
+        """Roll the KV cache back to its first `n_past` tokens. A recurrent backend restores its last
+        checkpoint (taken at or before `n_past`) and re-evaluates up to `n_past`; to 0 always works.
+        BackendError when it cannot."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Remember the state at n_past, so that `truncate` can come back to any position from here
+        on. A no-op where `truncate` rolls back anywhere (recurrent is False)."""
         ...
 
     def vocab_fingerprint(self) -> VocabInfo:
@@ -101,6 +115,39 @@ def join_rows(parts: list[npt.NDArray[np.float32]], n_vocab: int) -> npt.NDArray
     if not parts:
         return np.empty((0, n_vocab), np.float32)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class StateCheckpoint:
+    """A recurrent backend's one checkpoint: the saved state, the position it was taken at, and the
+    tokens evaluated since (what a rollback re-evaluates). The backend saves and restores its own
+    state; this keeps the bookkeeping (and the one error) the same for llama.cpp, MLX and numpy."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.at = -1  # -1: none taken
+        self.tokens: list[int] = []
+
+    def take(self, state: Any, n_past: int) -> None:
+        self.state, self.at, self.tokens = state, n_past, []
+
+    def evaluated(self, tokens: Sequence[int]) -> None:
+        """`tokens` were appended to the state (call from eval)."""
+        if self.at >= 0:
+            self.tokens.extend(int(t) for t in tokens)
+
+    def replay(self, n_past: int, n: int) -> list[int]:
+        """The tokens to re-evaluate after restoring the checkpoint to get from it to `n` (of
+        `n_past` now); BackendError if no checkpoint was taken at or before `n`. The caller then
+        restores `state` and evaluates them (eval records them again: the checkpoint stays usable)."""
+        if self.at < 0 or n < self.at:
+            where = "none was taken" if self.at < 0 else f"the last one is at {self.at}"
+            raise BackendError(f"cannot roll a recurrent state back from {n_past} to {n} tokens: it needs a "
+                               f"checkpoint at or before {n} and {where}")
+        replay, self.tokens = self.tokens[:n - self.at], []
+        return replay
+
+    def clear(self) -> None:
+        self.state, self.at, self.tokens = None, -1, []
 
 
 _C = TypeVar("_C", bound="Closing")

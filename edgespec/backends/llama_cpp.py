@@ -1,8 +1,10 @@
 """llama.cpp backend on llama-cpp-python's low-level ctypes API (never the high-level `Llama`).
 
 One model, one context, one sequence. Logits are requested only for the rows asked for; rollback
-is `llama_memory_seq_rm`, its bool checked. llama.cpp's log goes to a ring buffer (echoed while a
-verbose=True backend is open, and quoted in load errors: backends/deps.py).
+is `llama_memory_seq_rm`, its bool checked; a recurrent or hybrid model (Mamba-2, LFM2) rolls its
+recurrent layers back to a checkpoint of their state instead (`checkpoint`, `truncate`). llama.cpp's
+log goes to a ring buffer (echoed while a verbose=True backend is open, and quoted in load errors:
+backends/deps.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import Closing, LogitRows, VocabInfo, check_room, join_rows
+from edgespec.backends.base import Closing, LogitRows, StateCheckpoint, VocabInfo, check_room, join_rows
 from edgespec.backends.deps import clear_llama_log, hide_llama_log, import_llama, llama_log, show_llama_log
 from edgespec.errors import BackendError, ModelLoadError
 
@@ -183,9 +185,15 @@ class LlamaCppBackend(_VocabCalls):
             256 cells, so they no longer match batched verification bit for bit; Q8_0 caches do,
             at the same measured speed and half the memory (docs/known-limits.md).
         verbose: print llama.cpp's log while this backend is open (deps.show_llama_log).
+
+    ``recurrent`` is True for recurrent and hybrid models (llama_model_is_recurrent / _is_hybrid):
+    ``checkpoint`` then saves the recurrent layers' state (llama_state_seq_get_data_ext with
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent cells alone, not a hybrid's attention KV), and
+    ``truncate`` restores it, cuts the attention KV back and re-evaluates up to the new length.
     """
 
     name = "llama.cpp"
+    recurrent = False
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, threads: int | None = None,
                  n_gpu_layers: int = 0, n_batch: int = 512, use_extra_bufts: bool = False,
@@ -201,6 +209,7 @@ class LlamaCppBackend(_VocabCalls):
         mp.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1
         mp.use_extra_bufts = use_extra_bufts
         self._load_model(p, mp, "load")
+        self.recurrent = bool(ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model))
         threads = threads or default_threads()
         cp = ll.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
@@ -226,6 +235,9 @@ class LlamaCppBackend(_VocabCalls):
         self.n_batch, self.threads = n_batch, threads
         self.n_ctx = ll.llama_n_ctx(self._ctx)
         self._n_past = 0
+        self._ckpt = StateCheckpoint()  # state: bytes of self._state_buf in use
+        self._state_buf = np.empty(0, np.uint8)  # reused: a checkpoint's size is fixed once n_past > 0
+        self._state_ptr: Any = None
 
     def _configure_context(self, cp: Any) -> None:
         """Hook for subclasses: adjust llama_context_params after the model is loaded and before the
@@ -262,17 +274,70 @@ class LlamaCppBackend(_VocabCalls):
             b.logits[i] = want[i]
         rc = self._ll.llama_decode(self._ctx, b)
         if rc != 0:
+            msg = f"llama_decode returned {rc} for {len(chunk)} tokens at position {self._n_past}"
+            if self.recurrent:  # a recurrent state cannot drop part of a batch: start over
+                self._drop_all()
+                raise BackendError(f"{msg} (the recurrent state was reset to 0 tokens)")
             # the cache may hold part of the batch: drop it so n_past stays the truth
             self._ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
-            raise BackendError(f"llama_decode returned {rc} for {len(chunk)} tokens at position {self._n_past}")
+            raise BackendError(msg)
         self._n_past += len(chunk)
+        if self.recurrent:
+            self._ckpt.evaluated(chunk)
+
+    def checkpoint(self) -> None:
+        """Save the recurrent layers' state at n_past (nothing to do when recurrent is False: the KV
+        cache rolls back to any position)."""
+        if not self.recurrent:
+            return
+        ll, flags = self._ll, self._ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = ll.llama_state_seq_get_size_ext(self._ctx, 0, flags)
+        if size > len(self._state_buf):
+            self._state_buf = np.empty(size, np.uint8)
+            self._state_ptr = self._state_buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = ll.llama_state_seq_get_data_ext(self._ctx, self._state_ptr, size, 0, flags)
+        if n == 0:
+            raise BackendError(f"llama_state_seq_get_data_ext could not save the recurrent state at {self._n_past} "
+                               f"tokens ({size} bytes)")
+        self._ckpt.take(n, self._n_past)
 
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
             return
+        if self.recurrent:
+            self._roll_back(n_past)
+            return
         if not self._ll.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise BackendError(f"llama_memory_seq_rm could not roll back from {self._n_past} to {n_past} tokens")
         self._n_past = n_past
+
+    def _roll_back(self, n: int) -> None:
+        """Restore the checkpoint (at c <= n), cut the attention KV to c, re-evaluate tokens c..n."""
+        if n == 0:
+            self._drop_all()
+            return
+        replay = self._ckpt.replay(self._n_past, n)  # BackendError without a checkpoint at or before n
+        c, size, ll = self._ckpt.at, self._ckpt.state, self._ll
+        # restoring puts the recurrent cell back at position c-1, so that seq_rm(c, -1) then only
+        # cuts the attention KV; before it, seq_rm would refuse (a recurrent cell at >= c)
+        if ll.llama_state_seq_set_data_ext(self._ctx, self._state_ptr, size, 0,
+                                           ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size:
+            self._drop_all()
+            raise BackendError(f"llama_state_seq_set_data_ext could not restore the recurrent state saved at {c} "
+                               f"tokens (reset to 0 tokens)")
+        if not ll.llama_memory_seq_rm(self._mem, 0, c, -1):
+            self._drop_all()
+            raise BackendError(f"llama_memory_seq_rm could not cut the restored state back to {c} tokens "
+                               f"(reset to 0 tokens)")
+        self._n_past = c
+        if replay:  # eval records them again: the checkpoint stays usable
+            self.eval(replay, rows="none")
+
+    def _drop_all(self) -> None:
+        if not self._ll.llama_memory_seq_rm(self._mem, 0, -1, -1):
+            raise BackendError(f"llama_memory_seq_rm could not clear the state of {self._n_past} tokens")
+        self._n_past = 0
+        self._ckpt.clear()
 
 
 class LlamaVocab(_VocabCalls):

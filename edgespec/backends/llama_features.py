@@ -288,6 +288,8 @@ class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
         self.n_layer = ll.llama_model_n_layer(self._model)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self.arch = self.metadata("general.architecture") or "?"
+        if self.recurrent:  # its rollback re-evaluates tokens, which would append their feature rows again
+            raise BackendError(f"feature heads need an attention-only target; {self.arch!r} has recurrent layers")
         layers = tuple(self._want_layers) if self._want_layers is not None else eagle3_layer_ids(self.n_layer)
         bad = [lid for lid in layers if not 1 <= lid <= self.n_layer - 1]
         if not layers or bad:

@@ -2,8 +2,11 @@
 
 Rollback is a cache trim. Sliding-window layers (Gemma 3) get a full KVCache with the window
 applied by the attention mask instead of mlx-lm's RotatingKVCache, which cannot be trimmed once it
-wraps: the same choice as llama.cpp's swa_full. A model with any other untrimmable cache (recurrent
-or hybrid layers) is refused when it is opened, naming the layer type.
+wraps: the same choice as llama.cpp's swa_full. Recurrent layers (mlx-lm's ArraysCache: Mamba,
+Mamba-2, LFM2's short convolutions, gated DeltaNet, RWKV-7; also inside a CacheList, as Falcon-H1)
+make the backend `recurrent`: `checkpoint` keeps their state arrays, and `truncate` puts them back,
+trims the KV layers to the checkpoint and re-evaluates from there (base.StateCheckpoint). A model
+with any other cache is refused when it is opened, naming the layer type.
 
 A GGUF file is converted once (mlx_convert.py; cached under $EDGESPEC_HOME/mlx) and tokenized by
 llama.cpp's own tokenizer from its metadata (a vocab-only load), so token ids match the llama.cpp
@@ -23,13 +26,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import Closing, LogitRows, VocabInfo, check_room, join_rows
+from edgespec.backends.base import Closing, LogitRows, StateCheckpoint, VocabInfo, check_room, join_rows
 from edgespec.backends.deps import import_mlx
 from edgespec.errors import ModelLoadError
 
 # Model types whose Model.__call__ is `lm_head(self.model(...))` (or the tied embedding): for them
 # the LM head runs only on the rows asked for. Others run whole and are sliced.
-_SPLIT_HEAD = {"llama", "gemma3_text"}
+_SPLIT_HEAD = {"llama", "gemma3_text", "lfm2"}
 
 
 def mlx_model_dir(path: str | os.PathLike, note: Callable[[str], None] | None = None) -> Path:
@@ -48,20 +51,33 @@ def mlx_model_dir(path: str | os.PathLike, note: Callable[[str], None] | None = 
     return cached_conversion(p, note=note)
 
 
-def trimmable_caches(model: Any, model_type: str) -> list[Any]:
+def rollback_caches(model: Any, model_type: str) -> list[Any]:
     """The model's mlx-lm caches, sliding-window ones replaced by full KVCaches (see the module
-    docstring); ModelLoadError naming the first layer whose cache cannot be rolled back."""
+    docstring); ModelLoadError naming the first layer whose cache can neither be trimmed (KVCache)
+    nor checkpointed (ArraysCache)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     caches = [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)]
     for i, c in enumerate(caches):
-        if not (isinstance(c, KVCache) and c.is_trimmable()):
-            kind = type(c).__name__
-            what = " (recurrent state)" if kind in ("ArraysCache", "MambaCache") else ""
-            raise ModelLoadError(
-                f"model type {model_type!r} is not supported: layer {i} keeps a {kind}{what}, which "
-                "cannot be rolled back, and speculative decoding needs a trimmable KV cache")
+        for part in _cache_parts(c):
+            if not (_is_state(part) or isinstance(part, KVCache) and part.is_trimmable()):
+                raise ModelLoadError(
+                    f"model type {model_type!r} is not supported: layer {i} keeps a {type(part).__name__}, "
+                    "which can neither be trimmed nor checkpointed for speculative decoding")
     return caches
+
+
+def _cache_parts(cache: Any) -> tuple[Any, ...]:
+    """The caches one layer keeps: a CacheList's members (Falcon-H1: state + KV), else the cache."""
+    from mlx_lm.models.cache import CacheList
+
+    return tuple(cache.caches) if isinstance(cache, CacheList) else (cache,)
+
+
+def _is_state(cache: Any) -> bool:
+    from mlx_lm.models.cache import ArraysCache
+
+    return isinstance(cache, ArraysCache)
 
 
 class MlxBackend(Closing):
@@ -80,6 +96,7 @@ class MlxBackend(Closing):
     """
 
     name = "mlx"
+    recurrent = False
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_batch: int = 512,
                  threads: int | None = None, n_gpu_layers: int = 0, verbose: bool = False,
@@ -98,7 +115,9 @@ class MlxBackend(Closing):
             model, _ = load_model(self.model_dir, lazy=True)  # weights are read at mx.eval below
         except (ValueError, FileNotFoundError) as e:
             raise ModelLoadError(f"mlx-lm cannot load {self.model_dir}: {e}") from e
-        self._caches = trimmable_caches(model, self.model_type)  # refuse before reading the weights
+        self._set_caches(rollback_caches(model, self.model_type))  # refuse before reading the weights
+        self.recurrent = bool(self._states)
+        self._checkpoint = StateCheckpoint()
         mx.eval(model.parameters())
         self.model = model
         self._split = self.model_type in _SPLIT_HEAD
@@ -142,6 +161,8 @@ class MlxBackend(Closing):
             want = "all" if rows == "all" else ("last" if rows == "last" and last_chunk else "none")
             logits = self._forward(chunk, want)
             self._n_past += len(chunk)
+            if self.recurrent:
+                self._checkpoint.evaluated(chunk)
             if logits is not None:
                 out.append(logits)
         return join_rows(out, self.n_vocab)
@@ -152,30 +173,68 @@ class MlxBackend(Closing):
         if self._split:
             h = model.model(inputs, cache=self._caches)  # (1, L, H)
             if want == "none":
-                mx.eval(h, [(c.keys, c.values) for c in self._caches])
+                mx.eval(h, self._cache_arrays())
                 return None
             h = h if want == "all" else h[:, -1:]
             head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
             logits = head(h)  # (1, rows, V)
         else:
-            logits = model(inputs, cache=self._caches)  # (1, L, V)
+            logits = model(inputs, cache=self._caches)  # (1, L, V), lazy: computed only if evaluated
+            if want == "none":  # a prompt chunk or a rollback's replay: no LM head at all
+                mx.eval(self._cache_arrays())
+                return None
             logits = logits if want == "all" else logits[:, -1:]
         logits = logits.astype(mx.float32)
-        mx.eval(logits, [(c.keys, c.values) for c in self._caches])
+        mx.eval(logits, self._cache_arrays())
         return None if want == "none" else np.array(logits[0], copy=True)
 
+    def _cache_arrays(self) -> list[Any]:
+        """What a forward pass computes into the caches (mx.eval'd with its logits)."""
+        return [(c.keys, c.values) for c in self._kv] + [c.cache for c in self._states]
+
+    def _set_caches(self, caches: list[Any]) -> None:
+        self._caches = caches
+        parts = [p for c in caches for p in _cache_parts(c)]
+        self._states = [p for p in parts if _is_state(p)]  # recurrent layers' ArraysCaches
+        self._kv = [p for p in parts if not _is_state(p)]  # trimmable KVCaches
+
+    def checkpoint(self) -> None:
+        """Keep the recurrent layers' state arrays at n_past (a no-op on an attention-only model).
+        mlx arrays are values: every forward pass stores new ones in the cache, never writes into
+        the old, so holding the references is the copy."""
+        if self.recurrent:
+            self._checkpoint.take([list(c.cache) for c in self._states], self._n_past)
+
     def truncate(self, n_past: int) -> None:
+        """Trim the KV caches to `n_past`; on a recurrent model, first put the checkpoint's state back
+        (KV layers trimmed to it too) and re-evaluate the tokens from there to `n_past`."""
         if n_past >= self._n_past:
             return
-        for c in self._caches:
-            c.trim(c.offset - n_past)
-        self._n_past = n_past
+        if not self.recurrent:
+            for c in self._kv:
+                c.trim(c.offset - n_past)
+            self._n_past = n_past
+            return
+        if n_past == 0:
+            self._set_caches(rollback_caches(self.model, self.model_type))
+            self._checkpoint.clear()
+            self._n_past = 0
+            return
+        replay = self._checkpoint.replay(self._n_past, n_past)  # BackendError without a checkpoint
+        at = self._checkpoint.at
+        for c, arrays in zip(self._states, self._checkpoint.state):
+            c.cache = list(arrays)
+        for c in self._kv:
+            c.trim(c.offset - at)
+        self._n_past = at
+        self._checkpoint.take(self._checkpoint.state, at)  # the replay below records its tokens again
+        self.eval(replay, rows="none")
 
     def close(self) -> None:
         if self._vocab is not None:
             self._vocab.close()
             self._vocab = None
-        self._caches = []
+        self._set_caches([])
 
 
 def _open_vocab(model_dir: Path, verbose: bool) -> Any:

@@ -12,6 +12,9 @@ Quantized weights stay quantized (MLX affine, group 32):
 GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE: the config says
 rope_traditional=True instead of un-permuting. Gemma's GGUF norm weights carry +1 (llama.cpp's
 converter adds it; mlx-lm's Gemma RMSNorm adds it at run time): it is taken off again.
+Mamba-2 and LFM2 (recurrent / hybrid) invert llama.cpp's converter: ssm_a = −exp(A_log) becomes
+A_log again, the squeezed depthwise conv kernels get back their (channels, kernel, 1) shape, and
+LFM2's per-layer head_count_kv (0 on convolution layers) becomes full_attn_idxs.
 tokenizer.gguf holds the source's metadata (vocabulary, merges, chat template) and no tensors:
 the MLX backend tokenizes with llama.cpp's tokenizer from it (a vocab-only load).
 """
@@ -19,7 +22,9 @@ the MLX backend tokenizes with llama.cpp's tokenizer from it (a vocab-only load)
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -39,20 +44,28 @@ REPORT_FILE = "edgespec-convert.json"
 _NATIVE = {"Q4_0", "Q4_1", "Q8_0"}  # mx.load reads these as MLX quantized arrays
 _FLOAT = {"F32", "F16", "BF16"}
 
-# GGUF tensor name pieces → mlx-lm module paths (the part after "blk.N.")
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-}
+# GGUF tensor name pieces → mlx-lm module paths (the part after "blk.N."), per architecture
+_ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
+_LLAMA_LAYER = {**_ATTENTION, "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm"}
 # ffn_norm is the norm before the MLP: llama calls it post_attention_layernorm, gemma3 has four norms
 _ARCH_LAYER_NAMES = {
-    "llama": {"ffn_norm": "post_attention_layernorm"},
-    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "llama": {**_LLAMA_LAYER, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {**_LLAMA_LAYER, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "mamba2": {"attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
+               "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"},
+    "lfm2": {**_ATTENTION, "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
+             "attn_k_norm": "self_attn.k_layernorm", "attn_norm": "operator_norm", "ffn_norm": "ffn_norm",
+             "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+             "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv", "shortconv.out_proj": "conv.out_proj"},
 }
+_LAYER_PARAMS = {"mamba2": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"}}  # whole names
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ARCH_GLOBAL_NAMES = {"mamba2": {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
+                      "lfm2": {"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm"}}
+_LAYERS = {"mamba2": "backbone.layers"}  # where the blocks are (default model.layers)
 
 
 @dataclass
@@ -79,10 +92,14 @@ def _mx():
 
 
 def mlx_config(f: GGUFFile) -> dict[str, Any]:
-    """mlx-lm config.json for a llama or gemma3 GGUF's metadata (ValueError naming a missing key)."""
+    """mlx-lm config.json for a llama, gemma3, mamba2 or lfm2 GGUF's metadata (ValueError naming a
+    missing key)."""
     arch = f.value("general.architecture")
     if arch not in _ARCH_LAYER_NAMES:
-        raise ModelLoadError(f"cannot convert GGUF architecture {arch!r} to MLX (supported: llama, gemma3)")
+        raise ModelLoadError(f"cannot convert GGUF architecture {arch!r} to MLX "
+                             f"(supported: {', '.join(_ARCH_LAYER_NAMES)})")
+    if arch in _RECURRENT_CONFIGS:
+        return _RECURRENT_CONFIGS[arch](f, len(f.require("tokenizer.ggml.tokens")))
     get = f.arch_value
     n_head = get("attention.head_count")
     n_vocab = len(f.require("tokenizer.ggml.tokens"))
@@ -111,17 +128,82 @@ def mlx_config(f: GGUFFile) -> dict[str, Any]:
     return cfg
 
 
+def _mamba2_config(f: GGUFFile, n_vocab: int) -> dict[str, Any]:
+    get = f.arch_value
+    n_head, d_inner, n_group = get("ssm.time_step_rank"), get("ssm.inner_size"), get("ssm.group_count", 1)
+    if n_group != 1:  # llama.cpp normalizes y per group; mlx-lm's gated RMSNorm spans all of d_inner
+        raise ModelLoadError(f"cannot convert: mamba2 with ssm.group_count {n_group} (mlx-lm's norm needs 1)")
+    if "blk.0.ssm_norm.weight" not in f.tensors:
+        raise ModelLoadError("cannot convert: a mamba2 GGUF without ssm_norm (mlx-lm always applies it)")
+    return dict(model_type="mamba2", num_heads=n_head, head_dim=d_inner // n_head, vocab_size=n_vocab,
+                hidden_size=get("embedding_length"), intermediate_size=d_inner, state_size=get("ssm.state_size"),
+                num_hidden_layers=get("block_count"), layer_norm_epsilon=get("attention.layer_norm_rms_epsilon"),
+                conv_kernel=get("ssm.conv_kernel"), n_groups=n_group, use_bias=False,
+                use_conv_bias="blk.0.ssm_conv1d.bias" in f.tensors, time_step_rank=n_head,
+                time_step_limit=[0.0, math.inf],  # llama.cpp's ssm_scan does not clamp dt
+                tie_word_embeddings="output.weight" not in f.tensors, max_position_embeddings=get("context_length"))
+
+
+def _lfm2_config(f: GGUFFile, n_vocab: int) -> dict[str, Any]:
+    get = f.arch_value
+    n_layer, n_embd, n_head = get("block_count"), get("embedding_length"), get("attention.head_count")
+    kv = get("attention.head_count_kv")
+    kv = [int(k) for k in kv] if isinstance(kv, (list, tuple)) else [int(kv)] * n_layer
+    attn = [i for i, k in enumerate(kv) if k > 0]
+    problem = ("it has no attention layer" if not attn
+               else "its attention layers differ in head_count_kv" if len({kv[i] for i in attn}) > 1
+               else "it has a sliding window" if f.value("lfm2.attention.sliding_window", 0)
+               else "its head size is not embedding_length / head_count"
+               if get("attention.key_length", n_embd // n_head) != n_embd // n_head
+               else "mlx-lm's lfm2 ties the output head to the token embeddings, this file has output.weight"
+               if "output.weight" in f.tensors else None)
+    if problem:
+        raise ModelLoadError(f"cannot convert this lfm2 GGUF to MLX: {problem}")
+    return dict(model_type="lfm2", vocab_size=n_vocab, hidden_size=n_embd, num_hidden_layers=n_layer,
+                num_attention_heads=n_head, num_key_value_heads=kv[attn[0]],
+                max_position_embeddings=get("context_length"), norm_eps=get("attention.layer_norm_rms_epsilon"),
+                conv_bias=False, conv_L_cache=get("shortconv.l_cache"), block_dim=n_embd,
+                block_ff_dim=get("feed_forward_length"), block_auto_adjust_ff_dim=False,  # the GGUF's is final
+                block_multiple_of=256, block_ffn_dim_multiplier=1.0, rope_theta=get("rope.freq_base", 1_000_000.0),
+                full_attn_idxs=attn, tie_word_embeddings=True)
+
+
+_RECURRENT_CONFIGS = {"mamba2": _mamba2_config, "lfm2": _lfm2_config}
+
+
 def mlx_name(gguf_name: str, arch: str) -> str:
     """blk.3.attn_q.weight → model.layers.3.self_attn.q_proj.weight (ModelLoadError if unknown)."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3:
-        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES[arch]}
-        if parts[2] in names:
-            return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-    elif stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    block = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if block:
+        at, rest = f"{_LAYERS.get(arch, 'model.layers')}.{block[1]}", block[2]
+        if rest in _LAYER_PARAMS.get(arch, {}):
+            return f"{at}.{_LAYER_PARAMS[arch][rest]}"
+        piece, _, suffix = rest.rpartition(".")
+        if piece in _ARCH_LAYER_NAMES[arch]:
+            return f"{at}.{_ARCH_LAYER_NAMES[arch][piece]}.{suffix}"
+    else:
+        stem, _, suffix = gguf_name.rpartition(".")
+        names = _ARCH_GLOBAL_NAMES.get(arch, _GLOBAL_NAMES)
+        if stem in names:
+            return f"{names[stem]}.{suffix}"
     raise ModelLoadError(f"cannot convert: unknown {arch} tensor {gguf_name!r}")
+
+
+# Tensors whose layout or value differs between llama.cpp and mlx-lm (kept float32): inverses of
+# convert_hf_to_gguf's transforms, by (arch, name after "blk.N.")
+_LAYOUTS: dict[tuple[str, str], Callable[[np.ndarray], np.ndarray]] = {
+    ("mamba2", "ssm_a"): lambda a: np.log(-a).reshape(-1),  # ssm_a = −exp(A_log), (n_head, 1)
+    ("mamba2", "ssm_d"): lambda d: d.reshape(-1),  # (n_head, 1)
+    ("mamba2", "ssm_norm.weight"): lambda w: w.reshape(-1),  # (n_group, d_inner / n_group)
+    ("mamba2", "ssm_conv1d.weight"): lambda w: w[..., None],  # (channels, kernel) → Conv1d's (.., .., 1)
+    ("lfm2", "shortconv.conv.weight"): lambda w: w[..., None],
+}
+
+
+def _layout(arch: str, gguf_name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+    if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        return lambda w: w - 1.0  # see the module docstring
+    return _LAYOUTS.get((arch, gguf_name.split(".", 2)[-1]))
 
 
 # Block formats whose 32-value groups are exactly MLX affine groups (value = scale·q + bias):
@@ -186,7 +268,11 @@ def _tensor_arrays(f: GGUFFile, arch: str, bits: int) -> tuple[dict[str, Any], d
         name, kind = mlx_name(tname, arch), types[tname]
         base = name.rpartition(".")[0]
         n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        if kind in _NATIVE and native:
+        layout = _layout(arch, tname)
+        if layout is not None:
+            out[name] = mx.array(layout(f.tensor(tname)).astype(np.float32))
+            how[name] = "float32" if kind in _FLOAT else f"{kind.lower()} → float32"
+        elif kind in _NATIVE and native:
             stem = tname.rpartition(".")[0]
             out[name] = native[tname]
             out[base + ".scales"] = native[stem + ".scales"].astype(mx.float32)
@@ -199,8 +285,6 @@ def _tensor_arrays(f: GGUFFile, arch: str, bits: int) -> tuple[dict[str, Any], d
             how[name] = f"{kind.lower()} → {_AFFINE[kind][1]}-bit (exact)"
         else:
             x = f.tensor(tname)
-            if arch == "gemma3" and tname.endswith("norm.weight"):
-                x = x - 1.0  # see the module docstring
             if kind in _FLOAT or x.ndim == 1:
                 out[name] = mx.array(x)
                 how[name] = "float32" if kind in _FLOAT else f"{kind.lower()} → float32"
@@ -224,7 +308,7 @@ def _write_tokenizer(f: GGUFFile, dst: Path) -> None:
 
 def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: int = 8,
                  note: Callable[[str], None] | None = None) -> Conversion:
-    """Convert a llama or gemma3 GGUF file into an MLX model directory.
+    """Convert a llama, gemma3, mamba2 or lfm2 GGUF file into an MLX model directory.
 
     Args:
         src: the GGUF file.

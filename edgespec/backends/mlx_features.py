@@ -61,6 +61,9 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
 
     def __init__(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
+        if self.recurrent:  # as on llama.cpp: a rollback's re-evaluation would append feature rows again
+            raise ModelLoadError(f"feature heads need an attention-only target; model type {self.model_type!r} "
+                                 "has recurrent layers")
         body = getattr(self.model, "model", None)
         blocks = getattr(body, "layers", None)
         if not isinstance(blocks, list) or not blocks:
@@ -86,7 +89,7 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
         logits = super()._forward(chunk, want)
         missing = [lid for lid in self.feature_layers if lid not in self._captured]
         if missing:  # cannot happen for a model that runs its layers in order: keep KV and rows in step
-            for c in self._caches:
+            for c in self._kv:
                 c.trim(c.offset - self._n_past)
             raise BackendError(f"the forward pass never reached layer(s) {missing}")
         parts = [self._captured[lid][0].astype(mx.float32) for lid in self.feature_layers]  # (L, H) each

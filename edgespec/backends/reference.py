@@ -12,15 +12,20 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import LogitRows, VocabInfo
+from edgespec.backends.base import LogitRows, StateCheckpoint, VocabInfo
 from edgespec.errors import BackendError, ContextOverflowError
 
 
 class ReferenceBackend:
+    """The oracle model (module docstring). `recurrent=True` makes it behave as a recurrent model
+    does for rollback: `truncate` returns only to the last `checkpoint()` and re-evaluates from there
+    (base.StateCheckpoint), so engine tests cover that path in milliseconds."""
+
     name = "reference"
 
     def __init__(self, n_vocab: int = 8, seed: int = 0, scale: float = 1.5, n_ctx: int = 512,
-                 eos_id: int | None = None, _tables: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 eos_id: int | None = None, recurrent: bool = False,
+                 _tables: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         if not 2 <= n_vocab <= 26:
             raise ValueError(f"n_vocab must be in [2, 26] (got {n_vocab})")
         rng = np.random.default_rng(seed)
@@ -30,14 +35,18 @@ class ReferenceBackend:
         self.n_vocab, self.n_ctx = n_vocab, n_ctx
         self.bos_id, self.eos_id, self.add_bos = None, eos_id, False
         self.threads = 0  # numpy, in-process
+        self.recurrent = recurrent
         self._tokens: list[int] = []
+        self._checkpoint = StateCheckpoint()
         self.n_evals = 0  # forward passes, for tests
+        self.n_replayed = 0  # tokens re-evaluated by recurrent rollbacks, for tests
 
     def perturbed(self, eps: float, seed: int = 1) -> ReferenceBackend:
         """A same-vocabulary model with tables moved by eps·N(0,1): a drafter of tunable quality."""
         rng = np.random.default_rng(seed)
         tables = (self.w1 + eps * rng.normal(size=self.w1.shape), self.w2 + eps * rng.normal(size=self.w2.shape))
-        return ReferenceBackend(self.n_vocab, n_ctx=self.n_ctx, eos_id=self.eos_id, _tables=tables)
+        return ReferenceBackend(self.n_vocab, n_ctx=self.n_ctx, eos_id=self.eos_id, recurrent=self.recurrent,
+                                _tables=tables)
 
     def next_logits(self, context: Sequence[int]) -> npt.NDArray[np.float32]:
         """Exact next-token logits (V,) after `context` (which must be non-empty)."""
@@ -66,6 +75,8 @@ class ReferenceBackend:
             raise ContextOverflowError(f"{self.n_past} + {len(tokens)} tokens exceed the context of {self.n_ctx}")
         start = len(self._tokens)
         self._tokens.extend(int(t) for t in tokens)
+        if self.recurrent:
+            self._checkpoint.evaluated(tokens)
         self.n_evals += 1
         want = {"none": range(0), "last": range(len(self._tokens) - 1, len(self._tokens)),
                 "all": range(start, len(self._tokens))}[rows]
@@ -75,7 +86,20 @@ class ReferenceBackend:
         return out
 
     def truncate(self, n_past: int) -> None:
-        del self._tokens[n_past:]
+        if not self.recurrent or n_past >= self.n_past:
+            del self._tokens[n_past:]
+        elif n_past == 0:
+            self._tokens = []
+            self._checkpoint.clear()
+        else:
+            replay = self._checkpoint.replay(self.n_past, n_past)
+            self._tokens = list(self._checkpoint.state)  # the state as it was at the checkpoint
+            self.n_replayed += len(replay)
+            self.eval(replay, rows="none")
+
+    def checkpoint(self) -> None:
+        if self.recurrent:
+            self._checkpoint.take(tuple(self._tokens), self.n_past)
 
     def vocab_fingerprint(self) -> VocabInfo:
         return VocabInfo(0, self.n_vocab, False, None, False, self.eos_id, lambda i: chr(ord("a") + i))

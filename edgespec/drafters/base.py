@@ -42,6 +42,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def reusable_prefix(cached: Sequence[int], tokens: Sequence[int], recurrent: bool, checkpoint_at: int | None) -> int:
+    """How many of the `cached` tokens a backend's cache can keep for `tokens`: their common prefix,
+    or 0 where a recurrent state would have to go back before its last checkpoint (None: none)."""
+    n = common_prefix(cached, tokens)
+    if recurrent and n < len(cached) and (checkpoint_at is None or n < checkpoint_at):
+        return 0
+    return n
+
+
 class Chain:
     """A draft drawn position by position from a neural drafter's logits: greedy takes the argmax,
     sampling draws from the processed distribution (sampling.process, as for the target) and keeps
