@@ -18,7 +18,11 @@ a few µs) with the n-gram drafter: the loop's own µs per cycle and per token, 
     .venv/bin/python bench/host.py --out bench/results/host/
 
 Writes host.md (tables) and host.json. `--loop-only` times just the loop (run it from an older
-checkout for its "before" numbers).
+checkout for its "before" numbers). `--against REV` makes "before" edgespec/sampling.py and
+verify.py as committed at REV (git) instead of the pre-#23 oracle, and `--only` times the named
+vocabularies / parameter sets alone:
+
+    .venv/bin/python bench/host.py --against HEAD --only "152k synthetic" --out /tmp/host-ab
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import ctypes
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 from functools import partial
 from pathlib import Path
 
@@ -45,7 +51,7 @@ from edgespec.engine import Engine  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import host_oracle as old  # noqa: E402  (the "before" column)
+import host_oracle as old  # noqa: E402  (the "before" column; --against replaces it)
 
 PARAMS = {
     "greedy": SamplingParams(),
@@ -68,12 +74,15 @@ class AcceptAll:
         return 0.0
 
 
+CLOCK = time.perf_counter  # --cpu: time.thread_time, a shared machine's preemption left out
+
+
 def median_ms(fn, repeats: int) -> float:
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(CLOCK() - t0)
     return 1000 * statistics.median(ts)
 
 
@@ -82,9 +91,9 @@ def paired_ms(before, after, repeats: int) -> tuple[float, float]:
     tb, ta = [], []
     for _ in range(repeats):
         for f, out in ((before, tb), (after, ta)):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             f()
-            out.append(time.perf_counter() - t0)
+            out.append(CLOCK() - t0)
     return 1000 * statistics.median(tb), 1000 * statistics.median(ta)
 
 
@@ -166,7 +175,11 @@ def cycle_times(rows: np.ndarray, q_logits: np.ndarray, params: SamplingParams, 
     one_hot = [int(np.argmax(r)) for r in rows[:gamma]]
     sampled = [int(np.argmax(r)) for r in q]
     p_old, p_new = paired_ms(partial(old_process_rows, rows, params), partial(new_process_rows, rows, params), repeats)
-    if params.greedy:  # verify_greedy is unchanged: the argmax of each row
+    if params.greedy and isinstance(old, Revision):
+        v_old, v_new = paired_ms(partial(old.verify.verify, rows, one_hot, None, params, AcceptAll()),
+                                 partial(verify, rows, one_hot, None, params, AcceptAll()), repeats)
+        f_old, f_new = v_old, v_new
+    elif params.greedy:  # verify_greedy is unchanged since the oracle: the argmax of each row
         v_old = v_new = f_old = f_new = median_ms(partial(verify, rows, one_hot, None, params, AcceptAll()), repeats)
     else:
         v_old, v_new = paired_ms(partial(old.verify_stochastic, rows, one_hot, None, params, AcceptAll()),
@@ -179,7 +192,35 @@ def cycle_times(rows: np.ndarray, q_logits: np.ndarray, params: SamplingParams, 
 
 
 def old_process_rows(rows: np.ndarray, params: SamplingParams) -> list:
+    if isinstance(old, Revision):  # the revision's own process_rows, as "after" is timed
+        return list(old.sampling.process_rows(rows, params))
     return [old.process(r, params) for r in rows]
+
+
+class Revision:
+    """edgespec/sampling.py and verify.py as committed at a git revision, standing in for the
+    oracle as the "before" column (their `process`, `verify_stochastic`, `sample`)."""
+
+    def __init__(self, rev: str) -> None:
+        def module(path: str, name: str, source: str) -> types.ModuleType:
+            mod = sys.modules[name] = types.ModuleType(name)
+            exec(compile(source, f"{rev}:{path}", "exec"), mod.__dict__)
+            return mod
+
+        def show(path: str) -> str:
+            return subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
+                                  capture_output=True, text=True).stdout
+
+        self.sampling = module("edgespec/sampling.py", "rev_sampling", show("edgespec/sampling.py"))
+        self.verify = module("edgespec/verify.py", "rev_verify", show("edgespec/verify.py").replace(
+            "from edgespec.sampling import", "from rev_sampling import"))
+        self.sample = self.sampling.sample
+
+    def process(self, row: np.ndarray, params: SamplingParams) -> np.ndarray:
+        return self.sampling.process(row, params)
+
+    def verify_stochastic(self, *args) -> tuple[int, int]:
+        return self.verify.verify(*args)
 
 
 def new_process_rows(rows: np.ndarray, params: SamplingParams) -> list:
@@ -260,8 +301,9 @@ def write(out: Path, host: list[dict], loop: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "host.json").write_text(json.dumps(dict(meta=meta, host=host, loop=loop), indent=1))
     lines = [f"# Host path ({meta['date']}, {meta['cpu']}, one thread)", "",
-             "ms per call, medians; before = bench/host_oracle.py, after = edgespec now; verify: every draft "
-             "accepted; llama.cpp: its sampler chain on one row.", ""]
+             f"`{meta['command']}` (load {meta['load']:.1f}). ms per call ({meta['clock']}), medians of {meta['repeats']}, before and "
+             f"after alternating; before = {meta['before']}, after = edgespec now; verify: every draft accepted; "
+             "llama.cpp: its sampler chain on one row.", ""]
     if host:
         lines += ["| vocabulary | parameters | γ | process before | after | verify one-hot before | after | "
                   "verify full q before | after | per row after | llama.cpp per row | draft token before | after |",
@@ -273,10 +315,11 @@ def write(out: Path, host: list[dict], loop: list[dict], meta: dict) -> None:
                          f"{r['verify_fullq_after_ms']:.3f} | {r['after_per_row_ms']:.3f} | "
                          f"{r['llama_chain_per_row_ms']:.3f} | {r['draft_token_before_ms']:.3f} | "
                          f"{r['draft_token_after_ms']:.3f} |")
-    lines += ["", "The engine loop's own time (CPU time minus the target's forwards), n-gram drafter, "
-              "scheduler included for auto; target step 7 ms (modeled GPU) or ~µs:", "",
-              "| target step | parameters | num_draft | tokens | cycles | loop µs per cycle | per token |",
-              "|---|---|---|---|---|---|---|"]
+    if loop:
+        lines += ["", "The engine loop's own time (CPU time minus the target's forwards), n-gram drafter, "
+                  "scheduler included for auto; target step 7 ms (modeled GPU) or ~µs:", "",
+                  "| target step | parameters | num_draft | tokens | cycles | loop µs per cycle | per token |",
+                  "|---|---|---|---|---|---|---|"]
     for r in loop:
         lines.append(f"| {r['step_ms']:g} ms | {r['params']} | {r['num_draft']} | {r['tokens']} | {r['cycles']} | "
                      f"{r['us_per_cycle']:.0f} | {r['us_per_token']:.0f} |")
@@ -312,20 +355,36 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=Path(os.environ.get("EDGESPEC_HOME", Path.home() / ".cache/edgespec"))
                     / "models")
     ap.add_argument("--loop-only", action="store_true", help="time only the engine loop")
+    ap.add_argument("--against", metavar="REV", help="'before' = sampling.py and verify.py at this git revision")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="only these vocabularies or parameter sets (repeatable); skips the loop")
+    ap.add_argument("--cpu", action="store_true", help="time by the thread's CPU clock (for a shared machine)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    global old, CLOCK
+    if args.cpu:
+        CLOCK = time.thread_time
+    if args.against:
+        old = Revision(args.against)
+    if args.only:
+        for label in [k for k in PARAMS if k not in args.only and any(o in PARAMS for o in args.only)]:
+            del PARAMS[label]
     host: list[dict] = []
     if not args.loop_only:
-        sets = {n: recorded_rows(args.models / f) for n, f in MODELS.items() if (args.models / f).exists()}
-        sets.update({n: synthetic_rows(v) for n, v in SYNTHETIC.items()})
+        names = [n for n in (*MODELS, *SYNTHETIC) if not args.only or n in args.only or
+                 not any(o in (*MODELS, *SYNTHETIC) for o in args.only)]
+        sets = {n: recorded_rows(args.models / f) for n, f in MODELS.items() if n in names and (args.models / f).exists()}
+        sets.update({n: synthetic_rows(v) for n, v in SYNTHETIC.items() if n in names})
         for name, x in sorted(sets.items(), key=lambda kv: kv[1].shape[1]):
             print(f"timing {name} ({x.shape[1]} ids)", file=sys.stderr)
             host += host_rows(name, x, args.repeats)
-    loop = loop_rows(max(3, args.repeats // 3))
+    loop = [] if args.only else loop_rows(max(3, args.repeats // 3))
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
     write(args.out, host, loop, dict(date=time.strftime("%Y-%m-%d %H:%M"), cpu=cpu, repeats=args.repeats,
-                                     load=os.getloadavg()[0]))
+                                     load=os.getloadavg()[0], before=args.against or "bench/host_oracle.py",
+                                     clock="thread CPU time" if args.cpu else "wall clock",
+                                     command=" ".join(sys.argv)))
 
 
 if __name__ == "__main__":

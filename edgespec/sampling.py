@@ -54,12 +54,14 @@ def process(logits: npt.NDArray[np.floating], params: SamplingParams) -> npt.NDA
 def process_rows(logits: npt.NDArray[np.floating], params: SamplingParams) -> Rows:
     """Rows of logits (R, V) → their processed distributions, as a sequence of `Dist`.
 
-    The row maxima and the candidate threshold are taken once over the 2-D array; each row's kept
-    set is built only when the row is read, so verification never pays for rows after the first
-    rejection. No full-vocabulary sort: top-p's candidates are the tokens within `_TAIL` of the
-    row's maximum (z = (logit − max)/T ≥ −_TAIL), the mass below them bounded by their count ×
-    e^-_TAIL; a row with much mass there (flat) bounds its denominator by its float32 softmax
-    instead; top-k cuts where a sample of the row says; min-p needs only z ≥ ln(min_p). Where a
+    Each row's kept set is built only when the row is read, so verification never pays for rows
+    after the first rejection. A restricted row costs one pass over its logits (the maxima of
+    _GROUP-token blocks, `_Blocks`) and then reads only the members of a few blocks; no
+    full-vocabulary sort, exp or mask. top-p's candidates are the blocks whose top weight is
+    ≥ e^-τ, the mass outside bounded by _GROUP × the other blocks' top weights; a row that needs
+    many blocks reads its tokens with z ≥ −_TAIL instead (the mass below bounded by their count ×
+    e^-_TAIL), and a flat one bounds its denominator by its float32 softmax; top-k reads the
+    blocks reaching the k-th largest block maximum; min-p those reaching z ≥ ln(min_p). Where a
     bound leaves the nucleus undecided, the row is redone over the whole vocabulary in float64.
 
     Exactness (tests/test_host_exactness.py against the previous implementation): kept sets equal
@@ -125,16 +127,8 @@ class Rows(Sequence[Dist]):
         self._rows: list[Dist | None] = [None] * x.shape[0]
         self._scratch: npt.NDArray[np.floating] | None = None
         self.greedy_ids = np.argmax(x, axis=1) if params.greedy else None
-        if params.greedy:
-            return
-        self.max = x.max(axis=1)  # (R,)
         self.top_k = params.top_k if 0 < params.top_k < x.shape[1] else 0
         self.restricted = bool(self.top_k) or params.top_p < 1.0 or params.min_p > 0.0
-        if self.restricted and not self.top_k:  # (top-k finds its own candidates: _within_top)
-            # a min-p set ends where p < min_p·p_max; a little slack keeps float32 rounding out of the cut
-            self.tail = min(_TAIL, -np.log(params.min_p) + 1e-3) if params.min_p > 0.0 else _TAIL
-            floor = (self.max - params.temperature * (self.tail + 1e-3)).astype(x.dtype)
-            self.candidates = x >= floor[:, None]  # (R, V) bool
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -148,25 +142,100 @@ class Rows(Sequence[Dist]):
         return row
 
     def _build(self, r: int) -> Dist:
-        n_vocab = self.x.shape[1]
+        x, params = self.x[r], self.params
         if self.greedy_ids is not None:
-            return Dist(n_vocab, self.greedy_ids[r:r + 1], _ONE)
+            return Dist(x.shape[0], self.greedy_ids[r:r + 1], _ONE)
         if not self.restricted:
-            return _softmax(self.x[r], self.max[r], self.params.temperature)
-        x, m, params = self.x[r], float(self.max[r]), self.params
-        if self.top_k:  # the top-k set lies within a cut estimated from a sample of the row
-            row = _kept(x, np.flatnonzero(_within_top(x, self.top_k)), m, np.inf, params)
-        else:
-            flat = params.top_p < 1.0 and np.count_nonzero(self.candidates[r]) > n_vocab // 16
-            row = None if flat else _kept(x, np.flatnonzero(self.candidates[r]), m, self.tail, params)
+            return _softmax(x, x.max(), params.temperature)
+        blocks = _Blocks(x)
+        if self.top_k:
+            row = _kept(x, blocks.top(self.top_k), blocks.m, params)
+        elif params.top_p < 1.0:
+            row = _nucleus(x, blocks, params)  # a peaked row: a few blocks decide it
+            if row is None:  # a flatter one: the tokens near the top, each read
+                row = _near_top(x, blocks.m, params)
             if row is None:  # flat, or its bulk left the cut undecided: the whole softmax bounds it closer
                 if self._scratch is None:  # one buffer for every such row's weights
                     self._scratch = np.empty_like(x)
-                row = _nucleus_of_flat_row(x, m, params, self._scratch)
+                row = _nucleus_of_flat_row(x, blocks.m, params, self._scratch)
+        else:  # min-p alone: every kept token has z ≥ ln(min_p), so its block's maximum does too
+            row = _kept(x, blocks.above(blocks.m + params.temperature * (np.log(params.min_p) - 1e-6)),
+                        blocks.m, params)
         if row is None:  # still undecided: the whole vocabulary in float64 decides
-            row = _kept(x, np.arange(n_vocab), m, np.inf, self.params)
+            row = _kept(x, np.arange(x.shape[0]), blocks.m, params)
         assert row is not None
         return row
+
+
+class _Blocks:
+    """One row cut into _GROUP interleaved blocks, (_GROUP, V // _GROUP): block b holds ids
+    b, b + n, b + 2n, … (n = V // _GROUP), and the ids past _GROUP·n are always candidates. One
+    pass gives every block's maximum, so a set of tokens above a threshold is found from blocks
+    (few, then only their members are read), and the weight left outside lies between the other
+    blocks' top weights and _GROUP times them."""
+
+    def __init__(self, x: npt.NDArray[np.floating]) -> None:
+        n = self.n = x.shape[0] // _GROUP
+        self.bm = x[: _GROUP * n].reshape(_GROUP, n).max(axis=0) if n else x[:0]  # (n,) block maxima
+        self.rest = np.arange(_GROUP * n, x.shape[0])
+        m = self.bm.max() if n else x.max()
+        if n and self.rest.shape[0]:
+            m = max(m, x[_GROUP * n:].max())
+        self.m = float(m)  # the row's maximum
+
+    def members(self, blocks: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+        """Every id in `blocks`, and the ids past the blocks."""
+        ids = (blocks + self.n * _OFFSETS).ravel()  # (_GROUP, len(blocks))
+        return np.concatenate([ids, self.rest]) if self.rest.shape[0] else ids
+
+    def above(self, floor: float) -> npt.NDArray[np.intp]:
+        """Ids holding every token with logit ≥ floor (the members of blocks whose maximum is)."""
+        return self.members(np.flatnonzero(self.bm.astype(np.float64) >= floor))
+
+    def top(self, k: int) -> npt.NDArray[np.intp]:
+        """Ids holding the k largest logits: ≥ k blocks reach the k-th largest block maximum t, so
+        the k-th largest logit is ≥ t and every logit above it lies in one of those blocks."""
+        if k >= self.n:
+            return np.arange(_GROUP * self.n + self.rest.shape[0])
+        t = np.partition(self.bm, self.n - k)[self.n - k]
+        return self.members(np.flatnonzero(self.bm >= t))
+
+
+def _nucleus(x: npt.NDArray[np.floating], blocks: _Blocks, params: SamplingParams) -> Dist | None:
+    """top-p (then min-p) from the members of the blocks whose top weight e^z is ≥ e^-τ, for τ
+    in _TAUS until the cut is decided: the other blocks' weight lies between the sum r of their
+    top weights and _GROUP·r. None when more than _FEW_BLOCKS blocks (or 1/32 of them) would be
+    needed (a flatter row: reading its tokens is then cheaper) or no τ decides it."""
+    bm, t, eb = blocks.bm, blocks.bm.dtype.type, None
+    for tau in _TAUS:
+        sel = np.flatnonzero(bm >= t(blocks.m - params.temperature * tau))
+        if sel.shape[0] > min(_FEW_BLOCKS, blocks.n // 32):
+            return None
+        if eb is None:
+            eb = bm - t(blocks.m)
+            eb *= t(1 / params.temperature)
+            np.exp(eb, out=eb)  # (n,) block top weights, max 1; the chosen blocks' are zeroed
+        eb[sel] = 0.0
+        # float32 weights are within 2⁻²³·(8 + 2|z|) < 3e-5 relative (|z| ≤ 104; below, e^z
+        # underflows: < 1e-37 each), their pairwise sum within 2⁻²³·13
+        r = float(eb.sum())
+        lo, hi = r * (1 - 1e-4), _GROUP * (r * (1 + 1e-4) + blocks.n * 1e-37)
+        row = _kept(x, blocks.members(sel), blocks.m, params, lo, hi)
+        if row is not None:
+            return row
+    return None
+
+
+def _near_top(x: npt.NDArray[np.floating], m: float, params: SamplingParams) -> Dist | None:
+    """top-p (then min-p) from every token with z ≥ −_TAIL (or ≥ ln(min_p) when that is higher),
+    the weight below bounded by their count × e^-tail. None when they are a large share of the
+    row (flat) or the bound leaves the cut undecided."""
+    tail = min(_TAIL, -np.log(params.min_p) + 1e-3) if params.min_p > 0.0 else _TAIL
+    near = x >= x.dtype.type(m - params.temperature * (tail + 1e-3))  # (V,) the slack: float32 rounding
+    if np.count_nonzero(near) > x.shape[0] // 16:
+        return None
+    ids = np.flatnonzero(near)
+    return _kept(x, ids, m, params, 0.0, (x.shape[0] - ids.shape[0]) * np.exp(-tail))
 
 
 def _softmax(x: npt.NDArray[np.floating], m: np.floating, temperature: float,
@@ -178,47 +247,37 @@ def _softmax(x: npt.NDArray[np.floating], m: np.floating, temperature: float,
     return Dist(x.shape[0], None, w, float(w.sum()))  # pairwise: relative error ≤ 2⁻²³·18 in float32
 
 
-def _kept(x: npt.NDArray[np.floating], ids: npt.NDArray[np.intp], m: float, tail: float,
-          params: SamplingParams) -> Dist | None:
-    """The kept set of one row from candidate `ids`, which hold every token with weight
-    e^z ≥ e^-tail (z = (logit − max)/T); None when the tokens outside could change the nucleus.
-    Order as plain sampling: temperature, top-k, top-p, min-p."""
+def _kept(x: npt.NDArray[np.floating], ids: npt.NDArray[np.intp], m: float, params: SamplingParams,
+          lo: float = 0.0, hi: float = 0.0) -> Dist | None:
+    """The kept set of one row from candidate `ids`, which hold the top-k set when top-k is on,
+    and otherwise leave out tokens of total weight in [lo, hi] (weights e^z, z = (logit − max)/T);
+    None when where in that range it lies could change the nucleus. Order as plain sampling:
+    temperature, top-k, top-p, min-p."""
     n_vocab = x.shape[0]
-    e = np.exp((x[ids].astype(np.float64) - m) / params.temperature)  # candidates' weights, max 1
+    e = np.subtract(x[ids], m, dtype=np.float64)
+    e /= params.temperature
+    np.exp(e, out=e)  # candidates' weights, max 1
     k = params.top_k if 0 < params.top_k < n_vocab else n_vocab
     if ids.shape[0] > k:
         top = np.argpartition(e, ids.shape[0] - k)[ids.shape[0] - k:]
         ids, e = ids[top], e[top]
-    outside = k - ids.shape[0]  # members of the top-k set (or vocabulary) below the candidates
     if params.top_p < 1.0:
-        z_lo = e.sum()
-        z_hi = z_lo + outside * np.exp(-tail)
+        s = float(e.sum())
+        z_lo, z_hi = s + lo, s + hi
+        if hi > 0.0:  # a margin for the rounding of both sums
+            z_lo, z_hi = z_lo * (1 - 1e-12), z_hi * (1 + 1e-12)
         head = _head(e, params.top_p * z_hi)  # candidates by descending weight, holding the nucleus
         if head is None:
             return None
-        n = _cut(np.cumsum(e[head]), params.top_p * z_lo, params.top_p * z_hi)
+        e = e[head]
+        n = _cut(np.cumsum(e), params.top_p * z_lo, params.top_p * z_hi)
         if n is None:
             return None
-        ids, e = ids[head[:n]], e[head[:n]]
-    elif outside > 0 and params.min_p <= 0.0 and k < n_vocab:
-        return None  # top-k alone needs all k ids, and some lie below the candidates
+        ids, e = ids[head[:n]], e[:n]
     if params.min_p > 0.0:
         keep = e >= params.min_p  # e / e_max with e_max = 1 (the top token is always kept)
         ids, e = ids[keep], e[keep]
     return Dist(n_vocab, ids, e / e.sum())
-
-
-def _within_top(x: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.bool_]:
-    """A mask holding the k largest logits and usually a few dozen more: cut where every
-    _STRIDE-th logit, sorted, puts about 4·_STRIDE tokens above, lowered until it holds k."""
-    s = -np.sort(-x[::_STRIDE])  # a sample of the row, descending
-    j = k // _STRIDE + 4
-    while j < s.shape[0]:
-        mask = x >= s[j]
-        if np.count_nonzero(mask) >= k:
-            return mask
-        j *= 4
-    return np.ones(x.shape[0], dtype=bool)
 
 
 def _nucleus_of_flat_row(x: npt.NDArray[np.floating], m: float, params: SamplingParams,
@@ -270,10 +329,16 @@ def _head(e: npt.NDArray[np.float64], mass: float) -> npt.NDArray[np.intp] | Non
 
 
 _ONE = np.ones(1)
-# A row's candidates: tokens with z = (logit − max)/T ≥ −_TAIL. Each token below weighs less than
-# e^-20 ≈ 2e-9 of the top one, so 262k of them move the nucleus cut by < 6e-4 of the mass.
+_GROUP = 32  # tokens per block (_Blocks): one pass finds the block maxima, 1/_GROUP as many as ids
+# top-p's candidates: members of blocks with top weight ≥ e^-τ, for τ in turn until the cut is
+# decided (the LM-like rows of bench/host.py: τ = 12 takes a few dozen blocks and decides most),
+# while they are at most _FEW_BLOCKS blocks
+_TAUS = (12.0, 13.5, 15.0)
+_FEW_BLOCKS = 128
+# Else the tokens with z ≥ −_TAIL: each token below weighs less than e^-20 ≈ 2e-9 of the top one,
+# so 262k of them move the nucleus cut by < 6e-4 of the mass.
 _TAIL = 20.0
-_STRIDE = 32  # top-k estimates its cut from every _STRIDE-th logit
+_OFFSETS = np.arange(_GROUP)[:, None]  # (_GROUP, 1): block b's members are b + n·j
 _BLOCK = 4096  # dense sampling finds the block first, then the id within it
 
 

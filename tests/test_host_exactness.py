@@ -59,6 +59,15 @@ def test_process_rows_equals_the_old_process(n_vocab, params):
     assert_same(lm_rows(n_vocab, 6, seed=n_vocab % 97), params)
 
 
+@pytest.mark.parametrize("n_vocab", [20, 33, 1005])
+def test_vocabularies_that_are_no_multiple_of_the_block(n_vocab):
+    """Ids past the last whole block (and rows shorter than one block) are candidates too."""
+    x = lm_rows(n_vocab, 6, seed=n_vocab)
+    x[1, -1] = x[1].max() + 5.0  # the top token among the ids past the blocks
+    for params in PARAMS:
+        assert_same(x, params)
+
+
 def test_float64_rows_are_processed_in_float64():
     x = lm_rows(5000, 4, seed=1).astype(np.float64)
     for params in PARAMS:
