@@ -45,7 +45,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llama", seed: int = 0,
-                   perturb: float = 0.0, base_seed: int | None = None) -> Path:
+                   perturb: float = 0.0, base_seed: int | None = None, n_layers: int | None = None) -> Path:
     """Write a random-weight mlx-lm model directory.
 
     Args:
@@ -56,12 +56,15 @@ def build_tiny_mlx(out: str | Path, *, n_vocab: int = 6, model_type: str = "llam
         seed: weight seed; with perturb > 0 it seeds the noise added to base_seed's weights.
         perturb: noise scale relative to each tensor's init (a drafter of tunable quality).
         base_seed: the seed of the model being perturbed (default seed).
+        n_layers: num_hidden_layers instead of the architecture's default.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     config = {"model_type": model_type, "vocab_size": n_vocab, **_CONFIGS[model_type]}
+    if n_layers is not None:
+        config["num_hidden_layers"] = n_layers
     model_class, args_class = _get_classes(config)
     shapes = {k: v.shape for k, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())}
 

@@ -262,3 +262,21 @@ def test_costs_are_public_after_calibration():
     engine.calibrate()
     costs = engine.costs
     assert costs is not None and 1 in costs.t_forward_ms and costs.exact_batch is not None
+
+
+def test_common_prefix_agrees_with_a_token_by_token_scan():
+    import random
+
+    from edgespec.drafters.base import common_prefix
+
+    def scan(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 200))]
+        b = a[:rng.randint(0, len(a))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 40))]
+        if rng.random() < 0.5:
+            a, b = b, a
+        assert common_prefix(a, b) == scan(a, b)
+        assert common_prefix(tuple(a), b) == scan(a, b)  # mixed sequence types
