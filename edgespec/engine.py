@@ -258,13 +258,15 @@ class Engine:
             sched.new_generation(len(ids))
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)
-        stats.t_prefill = time.perf_counter() - t0
+        t_prefilled = time.perf_counter()
+        stats.t_prefill = t_prefilled - t0
         decoder, stops = StreamDecoder(self.target.token_to_bytes), StopMatcher(stop)
         n_ctx, generated = self.target.n_ctx, 0
         while True:
             room = n_ctx - len(self._kv) - 1  # positions left after `pending`
             if self._cancel.is_set() or room < 0:
                 stats.peak_rss_mb = peak_rss_mb()
+                stats.t_window = time.perf_counter() - t_prefilled
                 yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled" if room >= 0 else "length")
                 return
             g = max(0, min(K_MAX - 1 if sched else int(gamma), max_tokens - generated - 1, room))
@@ -290,6 +292,7 @@ class Engine:
             stats.t_other += time.perf_counter() - t_post
             if reason is not None:
                 stats.peak_rss_mb = peak_rss_mb()
+                stats.t_window = time.perf_counter() - t_prefilled
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
                 return

@@ -41,6 +41,8 @@ class Stats:
     t_verify: float = 0.0  # target forward passes of the decode cycles
     t_other: float = 0.0  # sampling, verification, detokenization, bookkeeping
     t_plain: float = 0.0  # time in cycles that verified no draft (plain steps)
+    t_window: float = 0.0  # wall time from the end of the prompt to the last chunk (native llama.cpp's
+    # "decoded … in" window: t_decode plus the loop's untimed bookkeeping and the consumer's share)
     t_schedule: float = 0.0  # the scheduler's own decisions (-k auto)
     t_rollback: float = 0.0  # a recurrent target's rollbacks: restore + re-evaluation (part of t_other)
     n_rollbacks: int = 0  # partial acceptances a recurrent target paid a rollback for
@@ -124,7 +126,7 @@ class Stats:
     def merge(self, other: Stats) -> Stats:
         out = Stats()
         for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other",
-                     "t_plain", "t_schedule", "t_rollback", "n_rollbacks", "n_planned", "n_probes",
+                     "t_plain", "t_window", "t_schedule", "t_rollback", "n_rollbacks", "n_planned", "n_probes",
                      "predicted_tokens", "predicted_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.cycles = self.cycles + other.cycles
