@@ -115,7 +115,7 @@ def test_greedy_spec_equals_plain_on_tiny_recurrent_models(arch, tiny_dirs):
     target = _open(target_dir)
     drafters = {"ngram": NgramDrafter(), "draft model": DraftModelDrafter(_open(draft_dir), N_VOCAB)}
     rng = np.random.default_rng(11)
-    prompts = [[int(t) for t in rng.integers(0, N_VOCAB, 6)] * 2 for _ in range(2)]  # repeats: n-gram matches
+    prompts = [[int(t) for t in rng.integers(0, N_VOCAB, 6)] * 2 for _ in range(5)]  # repeats: n-gram matches
     full = partial = 0  # over both drafters (the n-gram one may never be fully right on random weights)
     for name, drafter in drafters.items():
         engine = Engine(target, drafter)
@@ -195,7 +195,7 @@ def test_greedy_spec_equals_plain_on_converted_fixtures(arch, converted_pairs):
     for drafter in ("ngram", str(draft)):
         with edgespec.load(target, drafter=drafter, backend="mlx", n_ctx=512) as engine:
             assert engine.target.recurrent
-            for text in TEXT[:3]:
+            for text in TEXT:
                 prompt = f"{text} {text}"  # its tail occurs earlier: the n-gram drafter has matches to draft
                 plain = engine.generate(prompt, max_tokens=64, speculative=False)
                 for gamma in (4, "auto"):
