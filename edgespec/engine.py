@@ -142,6 +142,8 @@ class Engine:
             self._cancel.clear()
             yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
         finally:
+            if self.target.n_past < len(self._kv):  # the backend reset itself after an error
+                self._kv, self._checkpoint_at = self._kv[:self.target.n_past], None
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
 

@@ -145,3 +145,29 @@ def test_sampled_spec_on_a_recurrent_target_matches_the_target_distribution():
     for pos in range(n_pos):
         assert 0.5 * np.abs(spec[pos] - exact[pos]).sum() <= 0.01, (pos, spec[pos], exact[pos])
     assert target.n_replayed > 0  # rollbacks re-evaluated accepted tokens
+
+
+def test_a_target_that_resets_itself_after_an_error_leaves_the_engine_consistent():
+    """llama.cpp's recurrent backend drops its whole state when a restore fails (it cannot keep part
+    of it): the engine must then forget its cached tokens too, or the next prompt would reuse them."""
+    target = ReferenceBackend(6, seed=5, recurrent=True)
+    engine = Engine(target, NgramDrafter(), num_draft=3)
+    engine.generate("abcabcab", max_tokens=16)
+    real_truncate, calls = target.truncate, []
+
+    def failing_truncate(n):
+        calls.append(n)
+        if len(calls) == 2:  # the first rollback of the next generation fails and resets
+            real_truncate(0)
+            raise BackendError("restore failed (reset to 0 tokens)")
+        real_truncate(n)
+
+    target.truncate = failing_truncate
+    prompt = "abcabcab" + "cafe" * 3
+    with pytest.raises(BackendError, match="restore failed"):  # in the first cycle's rollback
+        engine.generate(prompt, max_tokens=32)
+    target.truncate = real_truncate
+    assert target.n_past == 0
+    again = engine.generate(prompt, max_tokens=16)  # the same prompt: its prefix was "cached" before
+    assert again.stats.n_prompt_evaluated == len(prompt)  # nothing taken from a cache that is gone
+    assert again.tokens == Engine(ReferenceBackend(6, seed=5)).generate(prompt, max_tokens=16).tokens
