@@ -227,8 +227,7 @@ class MlxBackend(Closing):
         for c in self._kv:
             c.trim(c.offset - at)
         self._n_past = at
-        self._checkpoint.take(self._checkpoint.state, at)  # the replay below records its tokens again
-        self.eval(replay, rows="none")
+        self.eval(replay, rows="none")  # recorded again: the checkpoint stays usable
 
     def close(self) -> None:
         if self._vocab is not None:
