@@ -103,10 +103,17 @@ def test_attention_only_models_stay_non_recurrent(tmp_path):
     assert not b.recurrent and b.n_past == 1
 
 
-def _acceptances(stats) -> tuple[int, int]:
-    """(full, partial) verification cycles: all drafts accepted / some rejected."""
-    cycles = [(d, n) for d, n in stats.cycles if d > 0]
-    return sum(n == d for d, n in cycles), sum(n < d for d, n in cycles)
+def _spec_equals_plain(engine: Engine, prompt, what: tuple) -> tuple[int, int]:
+    """Greedy spec == plain over 64 tokens at γ = 4 and auto; returns the (full, partial) verification
+    cycles seen: all drafts accepted / some rejected."""
+    plain = engine.generate(prompt, max_tokens=64, speculative=False)
+    full = partial = 0
+    for gamma in (4, "auto"):
+        spec = engine.generate(prompt, max_tokens=64, num_draft=gamma)
+        assert spec.tokens == plain.tokens, (*what, gamma, prompt)
+        cycles = [(d, n) for d, n in spec.stats.cycles if d > 0]
+        full, partial = full + sum(n == d for d, n in cycles), partial + sum(n < d for d, n in cycles)
+    return full, partial
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -120,12 +127,8 @@ def test_greedy_spec_equals_plain_on_tiny_recurrent_models(arch, tiny_dirs):
     for name, drafter in drafters.items():
         engine = Engine(target, drafter)
         for prompt in prompts:
-            plain = engine.generate(prompt, max_tokens=64, speculative=False)
-            for gamma in (4, "auto"):
-                spec = engine.generate(prompt, max_tokens=64, num_draft=gamma)
-                assert spec.tokens == plain.tokens, (arch, name, gamma, prompt)
-                f, p = _acceptances(spec.stats)
-                full, partial = full + f, partial + p
+            f, p = _spec_equals_plain(engine, prompt, (arch, name))
+            full, partial = full + f, partial + p
     assert full > 0 and partial > 0, (arch, full, partial)
 
 
@@ -196,13 +199,9 @@ def test_greedy_spec_equals_plain_on_converted_fixtures(arch, converted_pairs):
         with edgespec.load(target, drafter=drafter, backend="mlx", n_ctx=512) as engine:
             assert engine.target.recurrent
             for text in TEXT:
-                prompt = f"{text} {text}"  # its tail occurs earlier: the n-gram drafter has matches to draft
-                plain = engine.generate(prompt, max_tokens=64, speculative=False)
-                for gamma in (4, "auto"):
-                    spec = engine.generate(prompt, max_tokens=64, num_draft=gamma)
-                    assert spec.tokens == plain.tokens, (arch, drafter, prompt, gamma)
-                    f, p = _acceptances(spec.stats)
-                    full, partial = full + f, partial + p
+                # its tail occurs earlier: the n-gram drafter has matches to draft
+                f, p = _spec_equals_plain(engine, f"{text} {text}", (arch, drafter))
+                full, partial = full + f, partial + p
     assert full > 0 and partial > 0, (full, partial)
 
 
