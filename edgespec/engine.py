@@ -73,7 +73,6 @@ class Engine:
         self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
         self._busy = threading.Lock()
-        self._checkpoint_at: int | None = None  # a recurrent target's last checkpoint (None: none)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -143,7 +142,7 @@ class Engine:
             yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
         finally:
             if self.target.n_past < len(self._kv):  # the backend reset itself after an error
-                self._kv, self._checkpoint_at = self._kv[:self.target.n_past], None
+                del self._kv[self.target.n_past:]
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
 
@@ -198,7 +197,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached prompt (the next generation evaluates its prompt from scratch)."""
-        self._kv, self._checkpoint_at = [], None
+        self._kv = []
         self.target.truncate(0)
 
     def close(self) -> None:
@@ -301,11 +300,9 @@ class Engine:
 
     def _prefill(self, ids: list[int], stats: Stats) -> int:
         """Evaluate all prompt tokens but the last, reusing the cached common prefix."""
-        n_keep = reusable_prefix(self._kv, ids[:-1], self.target.recurrent, self._checkpoint_at)
+        n_keep = reusable_prefix(self._kv, ids[:-1], self.target)
         self._kv = self._kv[:n_keep]
         self.target.truncate(n_keep)
-        if n_keep == 0:  # truncate(0) dropped a recurrent target's checkpoint
-            self._checkpoint_at = None
         if len(ids) - 1 > n_keep:
             self.target.eval(ids[n_keep:-1], rows="none")
             self._kv.extend(ids[n_keep:-1])
@@ -333,7 +330,6 @@ class Engine:
         t1 = time.perf_counter()
         if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
             self.target.checkpoint()
-            self._checkpoint_at = n_cached
         logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
         t2 = time.perf_counter()
         rows: list[Dist] | None = [] if sched is not None and not params.greedy else None

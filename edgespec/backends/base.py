@@ -70,6 +70,12 @@ class Backend(Protocol):
         on. A no-op where `truncate` rolls back anywhere (recurrent is False)."""
         ...
 
+    @property
+    def checkpoint_at(self) -> int | None:
+        """Where the last checkpoint was taken (None: none, or recurrent is False): a recurrent
+        backend's `truncate` goes back to positions at or after it, and to 0."""
+        ...
+
     def vocab_fingerprint(self) -> VocabInfo:
         """What llama.cpp's draft/target compatibility rule compares."""
         ...
@@ -145,6 +151,11 @@ class StateCheckpoint:
                                f"checkpoint at or before {n} and {where}")
         replay, self.tokens = self.tokens[:n - self.at], []
         return replay
+
+    @property
+    def position(self) -> int | None:
+        """`at`, None when no checkpoint was taken (Backend.checkpoint_at)."""
+        return self.at if self.at >= 0 else None
 
     def clear(self) -> None:
         self.state, self.at, self.tokens = None, -1, []

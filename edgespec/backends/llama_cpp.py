@@ -301,6 +301,10 @@ class LlamaCppBackend(_VocabCalls):
                                f"tokens ({size} bytes)")
         self._ckpt.take(n, self._n_past)
 
+    @property
+    def checkpoint_at(self) -> int | None:
+        return self._ckpt.position
+
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
             return

@@ -205,6 +205,10 @@ class MlxBackend(Closing):
         if self.recurrent:
             self._checkpoint.take([list(c.cache) for c in self._states], self._n_past)
 
+    @property
+    def checkpoint_at(self) -> int | None:
+        return self._checkpoint.position
+
     def truncate(self, n_past: int) -> None:
         """Trim the KV caches to `n_past`; on a recurrent model, first put the checkpoint's state back
         (KV layers trimmed to it too) and re-evaluate the tokens from there to `n_past`."""

@@ -85,6 +85,10 @@ class ReferenceBackend:
             out[r] = self.next_logits(self._tokens[: i + 1])
         return out
 
+    @property
+    def checkpoint_at(self) -> int | None:
+        return self._checkpoint.position
+
     def truncate(self, n_past: int) -> None:
         if not self.recurrent or n_past >= self.n_past:
             del self._tokens[n_past:]

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.backends.base import Backend
 from edgespec.sampling import SamplingParams, process_rows
 
 
@@ -55,12 +56,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo + next(i for i, (x, y) in enumerate(zip(a[lo:hi], b[lo:hi])) if x != y)
 
 
-def reusable_prefix(cached: Sequence[int], tokens: Sequence[int], recurrent: bool, checkpoint_at: int | None) -> int:
-    """How many of the `cached` tokens a backend's cache can keep for `tokens`: their common prefix,
-    or 0 where a recurrent state would have to go back before its last checkpoint (None: none)."""
+def reusable_prefix(cached: Sequence[int], tokens: Sequence[int], backend: Backend) -> int:
+    """How many of the `cached` tokens (what `backend` holds) it can keep for `tokens`: their common
+    prefix, or 0 where a recurrent state would have to go back before its last checkpoint."""
     n = common_prefix(cached, tokens)
-    if recurrent and n < len(cached) and (checkpoint_at is None or n < checkpoint_at):
-        return 0
+    if backend.recurrent and n < len(cached):
+        at = backend.checkpoint_at
+        return n if at is not None and n >= at else 0
     return n
 
 

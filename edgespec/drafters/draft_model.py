@@ -57,12 +57,11 @@ class DraftModelDrafter:
         self.n_vocab = n_vocab_target
         self.paths = (model.path,)
         self._kv: list[int] = []  # tokens in the draft model's KV cache
-        self._checkpoint_at: int | None = None  # a recurrent draft model's last checkpoint (None: none)
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         # keep ≥ 1 token to evaluate for fresh logits
-        n_keep = reusable_prefix(self._kv, context[:-1], self.model.recurrent, self._checkpoint_at)
+        n_keep = reusable_prefix(self._kv, context[:-1], self.model)
         self.model.truncate(n_keep)
         self._kv = list(context[:n_keep])
         tokens, rows, conf = [], [], []
@@ -74,7 +73,6 @@ class DraftModelDrafter:
                 self._kv.extend(feed)
                 if len(tokens) == 0:  # the next cycle keeps at least the context drafted from
                     self.model.checkpoint()
-                    self._checkpoint_at = len(self._kv)
                 p = process_rows(logits[None], params)[0]
                 q = _fit(p.dense(), self.n_vocab)  # (V_target,)
                 conf.append(confidence(logits, None if params.greedy else q))
@@ -103,7 +101,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         """Forget the cached context (after something else used the model's KV cache)."""
-        self._kv, self._checkpoint_at = [], None
+        self._kv = []
         self.model.truncate(0)
 
     def close(self) -> None:
