@@ -22,7 +22,7 @@ from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import K_MAX, CostModel, Scheduler
 from edgespec.stats import Stats, peak_rss_mb
 from edgespec.text import StopMatcher, StreamDecoder
-from edgespec.verify import verify
+from edgespec.verify import accept_greedy, verify_stochastic
 
 MIN_CHUNK = 4  # the smallest verification split worth making (see Engine._verify_pass)
 
@@ -330,10 +330,15 @@ class Engine:
         t1 = time.perf_counter()
         if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
             self.target.checkpoint()
-        logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
-        t2 = time.perf_counter()
         rows: list[Dist] | None = [] if sched is not None and not params.greedy else None
-        n, token = verify(logits, x, q, params, rng, rows)
+        if params.greedy:  # the target's argmax of each row: no logit rows reach the host
+            ids = self._verify_pass([pending, *x], greedy=True)
+            t2 = time.perf_counter()
+            n, token = accept_greedy(ids, x)
+        else:
+            logits = self._verify_pass([pending, *x])  # (γ+1, V): p₁..p_{γ+1}
+            t2 = time.perf_counter()
+            n, token = verify_stochastic(logits, x, q, params, rng, rows)
         self._kv.append(pending)
         self._kv.extend(x[:n])
         t_cut = time.perf_counter()
@@ -354,15 +359,16 @@ class Engine:
         return [*x[:n], token], n
 
 
-    def _verify_pass(self, tokens: list[int]) -> np.ndarray:
-        """All logit rows for `tokens`, in forwards no longer than the target evaluates exactly as
-        single steps (plain decoding's view); usually one forward. A target exact only below
-        MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule speculation out, and
-        its deviations are near-ties (docs/known-limits.md)."""
+    def _verify_pass(self, tokens: list[int], greedy: bool = False) -> np.ndarray:
+        """All logit rows for `tokens` (greedy: their argmax ids), in forwards no longer than the
+        target evaluates exactly as single steps (plain decoding's view); usually one forward. A
+        target exact only below MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule
+        speculation out, and its deviations are near-ties (docs/known-limits.md)."""
         n = self._exact if self._exact and self._exact >= MIN_CHUNK else len(tokens)
+        forward = self.target.eval_argmax if greedy else lambda chunk: self.target.eval(chunk, rows="all")
         if len(tokens) <= n:
-            return self.target.eval(tokens, rows="all")
-        return np.concatenate([self.target.eval(tokens[i:i + n], rows="all") for i in range(0, len(tokens), n)])
+            return forward(tokens)
+        return np.concatenate([forward(tokens[i:i + n]) for i in range(0, len(tokens), n)])
 
 
 def check_num_draft(value: int | str) -> int | str:

@@ -58,6 +58,9 @@ class _Recorder:
         self.blocks.append(out)
         return out
 
+    def eval_argmax(self, tokens):  # greedy verification: the rows, kept, and their argmax
+        return np.argmax(self.eval(tokens, rows="all"), axis=1)
+
 
 def test_f16_target_is_argmax_of_its_own_logits(gemma_f16_path, gemma_q4_path):
     """F16 matmuls on this CPU give slightly different logits for a batch than for single tokens

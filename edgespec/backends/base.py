@@ -59,6 +59,13 @@ class Backend(Protocol):
         """
         ...
 
+    def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        """Append `tokens` like `eval(tokens, rows="all")` and return each row's argmax: the greedy
+        next token after each, (len(tokens),). The argmax is taken where the logits are (llama.cpp:
+        its greedy backend sampler; MLX: on the device), so greedy decoding copies no logit rows to
+        the host. Raises ContextOverflowError as `eval` does."""
+        ...
+
     def truncate(self, n_past: int) -> None:
         """Roll the KV cache back to its first `n_past` tokens. A recurrent backend restores its last
         checkpoint (taken at or before `n_past`) and re-evaluates up to `n_past`; to 0 always works.

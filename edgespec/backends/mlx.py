@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -152,22 +152,32 @@ class MlxBackend(Closing):
     # -- evaluation -------------------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
+        return join_rows(self._chunks(tokens, rows), self.n_vocab)
+
+    def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        parts = self._chunks(tokens, "argmax")
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def _chunks(self, tokens: Sequence[int], rows: LogitRows | Literal["argmax"]) -> list[npt.NDArray[Any]]:
+        """Evaluate `tokens` in forwards of at most n_batch; the rows each returns (see _forward)."""
         n = len(tokens)
         check_room(self._n_past, n, self.n_ctx)
         out = []
         for start in range(0, n, self.n_batch):
             chunk = list(tokens[start:start + self.n_batch])
             last_chunk = start + self.n_batch >= n
-            want = "all" if rows == "all" else ("last" if rows == "last" and last_chunk else "none")
+            want = rows if rows in ("all", "argmax") else ("last" if rows == "last" and last_chunk else "none")
             logits = self._forward(chunk, want)
             self._n_past += len(chunk)
             if self.recurrent:
                 self._checkpoint.evaluated(chunk)
             if logits is not None:
                 out.append(logits)
-        return join_rows(out, self.n_vocab)
+        return out
 
-    def _forward(self, chunk: list[int], want: LogitRows) -> npt.NDArray[np.float32] | None:
+    def _forward(self, chunk: list[int], want: LogitRows | Literal["argmax"]) -> npt.NDArray[Any] | None:
+        """One forward of `chunk`: its logit rows as `want` says (float32), or with "argmax" each
+        row's argmax taken on the device (int64)."""
         mx, model = self._mx, self.model
         inputs = mx.array([chunk])  # (1, L)
         if self._split:
@@ -175,7 +185,7 @@ class MlxBackend(Closing):
             if want == "none":
                 mx.eval(h, self._cache_arrays())
                 return None
-            h = h if want == "all" else h[:, -1:]
+            h = h[:, -1:] if want == "last" else h
             head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
             logits = head(h)  # (1, rows, V)
         else:
@@ -183,10 +193,14 @@ class MlxBackend(Closing):
             if want == "none":  # a prompt chunk or a rollback's replay: no LM head at all
                 mx.eval(self._cache_arrays())
                 return None
-            logits = logits if want == "all" else logits[:, -1:]
+            logits = logits[:, -1:] if want == "last" else logits
+        if want == "argmax":  # γ+1 ids cross to the host instead of γ+1 rows of V floats
+            ids = mx.argmax(logits[0], axis=-1)
+            mx.eval(ids, self._cache_arrays())
+            return np.array(ids, dtype=np.int64)
         logits = logits.astype(mx.float32)
         mx.eval(logits, self._cache_arrays())
-        return None if want == "none" else np.array(logits[0], copy=True)
+        return np.array(logits[0], copy=True)
 
     def _cache_arrays(self) -> list[Any]:
         """What a forward pass computes into the caches (mx.eval'd with its logits)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -83,7 +83,7 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
             blocks[lid] = wrap(blocks[lid], lambda h, lid=lid: self._captured.__setitem__(lid, h))
         self._store = FeatureStore(len(ids) * self.n_embd)
 
-    def _forward(self, chunk: list[int], want: LogitRows) -> npt.NDArray[np.float32] | None:
+    def _forward(self, chunk: list[int], want: LogitRows | Literal["argmax"]) -> npt.NDArray[Any] | None:
         mx = self._mx
         self._captured.clear()
         logits = super()._forward(chunk, want)

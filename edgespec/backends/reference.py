@@ -85,6 +85,9 @@ class ReferenceBackend:
             out[r] = self.next_logits(self._tokens[: i + 1])
         return out
 
+    def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        return np.argmax(self.eval(tokens, rows="all"), axis=1)
+
     @property
     def checkpoint_at(self) -> int | None:
         return self._checkpoint.position
