@@ -91,7 +91,7 @@ class Dist:
     def __getitem__(self, x: int) -> float:
         if self.ids is None:
             return float(self.probs[x]) / self.total
-        hit = np.flatnonzero(self.ids == x)
+        hit = (self.ids == x).nonzero()[0]
         return float(self.probs[hit[0]]) if hit.size else 0.0
 
     def dense(self) -> npt.NDArray[np.float64]:
@@ -190,7 +190,7 @@ class _Blocks:
 
     def above(self, floor: float) -> npt.NDArray[np.intp]:
         """Ids holding every token with logit ≥ floor (the members of blocks whose maximum is)."""
-        return self.members(np.flatnonzero(self.bm.astype(np.float64) >= floor))
+        return self.members((self.bm.astype(np.float64) >= floor).nonzero()[0])
 
     def top(self, k: int) -> npt.NDArray[np.intp]:
         """Ids holding the k largest logits: ≥ k blocks reach the k-th largest block maximum t, so
@@ -198,7 +198,7 @@ class _Blocks:
         if k >= self.n:
             return np.arange(_GROUP * self.n + self.rest.shape[0])
         t = np.partition(self.bm, self.n - k)[self.n - k]
-        return self.members(np.flatnonzero(self.bm >= t))
+        return self.members((self.bm >= t).nonzero()[0])
 
 
 def _nucleus(x: npt.NDArray[np.floating], blocks: _Blocks, params: SamplingParams) -> Dist | None:
@@ -208,7 +208,7 @@ def _nucleus(x: npt.NDArray[np.floating], blocks: _Blocks, params: SamplingParam
     needed (a flatter row: reading its tokens is then cheaper) or no τ decides it."""
     bm, t, eb = blocks.bm, blocks.bm.dtype.type, None
     for tau in _TAUS:
-        sel = np.flatnonzero(bm >= t(blocks.m - params.temperature * tau))
+        sel = (bm >= t(blocks.m - params.temperature * tau)).nonzero()[0]
         if sel.shape[0] > min(_FEW_BLOCKS, blocks.n // 32):
             return None
         if eb is None:
@@ -234,7 +234,7 @@ def _near_top(x: npt.NDArray[np.floating], m: float, params: SamplingParams) -> 
     near = x >= x.dtype.type(m - params.temperature * (tail + 1e-3))  # (V,) the slack: float32 rounding
     if np.count_nonzero(near) > x.shape[0] // 16:
         return None
-    ids = np.flatnonzero(near)
+    ids = near.nonzero()[0]
     return _kept(x, ids, m, params, 0.0, (x.shape[0] - ids.shape[0]) * np.exp(-tail))
 
 
@@ -259,7 +259,7 @@ def _kept(x: npt.NDArray[np.floating], ids: npt.NDArray[np.intp], m: float, para
     np.exp(e, out=e)  # candidates' weights, max 1
     k = params.top_k if 0 < params.top_k < n_vocab else n_vocab
     if ids.shape[0] > k:
-        top = np.argpartition(e, ids.shape[0] - k)[ids.shape[0] - k:]
+        top = e.argpartition(ids.shape[0] - k)[ids.shape[0] - k:]
         ids, e = ids[top], e[top]
     if params.top_p < 1.0:
         s = float(e.sum())
@@ -270,7 +270,7 @@ def _kept(x: npt.NDArray[np.floating], ids: npt.NDArray[np.intp], m: float, para
         if head is None:
             return None
         e = e[head]
-        n = _cut(np.cumsum(e), params.top_p * z_lo, params.top_p * z_hi)
+        n = _cut(e.cumsum(), params.top_p * z_lo, params.top_p * z_hi)
         if n is None:
             return None
         ids, e = ids[head[:n]], e[:n]
@@ -293,9 +293,9 @@ def _nucleus_of_flat_row(x: npt.NDArray[np.floating], m: float, params: Sampling
     if head is None:
         return None
     e = np.exp((x[head].astype(np.float64) - m) / params.temperature)
-    order = np.argsort(-e, kind="stable")
+    order = (-e).argsort(kind="stable")
     head, e = head[order], e[order]
-    n = _cut(np.cumsum(e), params.top_p * z_lo, params.top_p * z_hi)
+    n = _cut(e.cumsum(), params.top_p * z_lo, params.top_p * z_hi)
     if n is None:
         return None
     ids, e = head[:n], e[:n]
@@ -308,8 +308,8 @@ def _nucleus_of_flat_row(x: npt.NDArray[np.floating], m: float, params: Sampling
 def _cut(cum: npt.NDArray[np.float64], lo: float, hi: float) -> int | None:
     """The nucleus size n (the first n weights reach the mass) for any mass in [lo, hi]; None when
     it depends on where in that range the mass lies, or when cum never reaches hi."""
-    n = int(np.searchsorted(cum, lo, side="left")) + 1
-    if n > cum.shape[0] or n != int(np.searchsorted(cum, hi, side="left")) + 1:
+    n = int(cum.searchsorted(lo, side="left")) + 1
+    if n > cum.shape[0] or n != int(cum.searchsorted(hi, side="left")) + 1:
         return None
     return n
 
@@ -320,9 +320,9 @@ def _head(e: npt.NDArray[np.float64], mass: float) -> npt.NDArray[np.intp] | Non
     is sorted, never the whole row. None if all of e holds less than `mass`."""
     t = 1 / 64
     while True:
-        sel = np.flatnonzero(e >= t) if t > 0 else np.arange(e.shape[0])
+        sel = (e >= t).nonzero()[0] if t > 0 else np.arange(e.shape[0])
         if e[sel].sum() >= mass:
-            return sel[np.argsort(-e[sel], kind="stable")]
+            return sel[(-e[sel]).argsort(kind="stable")]
         if t == 0:
             return None
         t = t / 64 if t > 1e-12 else 0.0
@@ -344,8 +344,8 @@ _BLOCK = 4096  # dense sampling finds the block first, then the id within it
 
 def sample(probs: npt.NDArray[np.float64], rng: np.random.Generator) -> int:
     """Draw one id from a probability vector (need not be normalised; zero entries never drawn)."""
-    cdf = np.cumsum(probs)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    cdf = probs.cumsum()
+    i = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
     return min(i, probs.shape[0] - 1)
 
 
