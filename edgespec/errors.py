@@ -27,5 +27,9 @@ class MissingDependencyError(EdgespecError):
     """An optional extra (llama-cpp-python, mlx, torch, matplotlib) is not installed."""
 
 
+class DeviceError(EdgespecError):
+    """A torch device that was asked for is unknown or absent on this machine."""
+
+
 class EngineBusyError(EdgespecError):
     """The engine is already generating (one generation at a time; a server answers 503)."""

@@ -45,12 +45,26 @@ def test_missing_torch_names_the_train_extra(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, words", [(["--kind", "medusa"], ["--kind", "eagle3", "medusa"]),
                                          (["--weight-type", "q4_0"], ["--weight-type", "q4_0"]),
                                          (["--kind", "dspark"], ["--base"]),
-                                         (["--kind", "dflash", "--block-size", "1"], ["--block-size", "1"])])
+                                         (["--kind", "dflash", "--block-size", "1"], ["--block-size", "1"]),
+                                         (["--decay-shape", "cosine"], ["--decay-shape", "--lr-decay"]),
+                                         (["--warmup-steps", "-1"], ["--warmup-steps", "-1"]),
+                                         (["--budget-min", "0"], ["--budget-min", "--max-steps"]),
+                                         (["--device", "tpu"], ["--device", "tpu"])])
 def test_bad_options_are_one_line_errors(tmp_path: Path, args: list[str], words: list[str]) -> None:
     result = runner.invoke(cli.app, ["train-head", "--target", "x.gguf", "--out", str(tmp_path / "h.gguf"), *args])
     assert result.exit_code == 1
     [line] = _lines(result.output)
     assert line.startswith("error: ") and all(w in line for w in words)
+
+
+def test_an_absent_device_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU-only machine
+    result = runner.invoke(cli.app, ["train-head", "--target", "x.gguf", "--out", str(tmp_path / "h.gguf"),
+                                     "--device", "cuda"])
+    assert result.exit_code == 1
+    [line] = _lines(result.output)
+    assert line.startswith("error: --device cuda") and "CUDA" in line
 
 
 def test_too_shallow_target_is_a_one_line_error(tmp_path: Path, tiny_target: Path) -> None:
@@ -61,18 +75,31 @@ def test_too_shallow_target_is_a_one_line_error(tmp_path: Path, tiny_target: Pat
 
 
 def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
-    """A 5-layer tiny target: features, d2t, 3 steps, a Q8_0 GGUF with provenance; --resume continues."""
+    """A 5-layer tiny target on --device cpu: features, d2t, 3 steps of a warm-up + cosine schedule, a Q8_0
+    GGUF with provenance and a curve row per step; --resume continues the curve."""
     pytest.importorskip("torch")
+    import importlib.util
+
     from edgespec.gguf_file import read_gguf
     from edgespec.heads.gguf_io import read_eagle3_gguf
+    from edgespec.train.curve import read_curve
 
     target = build_tiny_llama(tmp_path / "t5.gguf", vocab_source=smollm2_path, seed=0, n_layer=5)
     out = tmp_path / "head.gguf"
     args = ["train-head", "--target", str(target), "--out", str(out), "--kind", "eagle3", "--max-steps", "3",
             "--seed", "1", "--draft-vocab", "300", "--weight-type", "q8_0", "--corpus-chars", "6000",
-            "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w")]
+            "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w"),
+            "--device", "cpu", "--eval-every", "1", "--warmup-steps", "1", "--lr-decay", "--decay-shape", "cosine"]
     result = runner.invoke(cli.app, args)
     assert result.exit_code == 0, result.output
+    curve = tmp_path / "w" / "curve-eagle3-v300-s1.csv"
+    rows = read_curve(curve)
+    assert [r["step"] for r in rows] == ["1", "2", "3"] and "tokens on cpu" in result.output
+    assert all(float(r["tau"]) == 1 + sum(float(r[f"acc_{k}"]) for k in (1, 2, 3, 4)) for r in rows)
+    if importlib.util.find_spec("matplotlib"):
+        assert curve.with_suffix(".png").exists()
+    else:
+        assert "no PNG" in result.output and not curve.with_suffix(".png").exists()
     cfg, tensors = read_eagle3_gguf(out)
     assert cfg.target_layers == (2, 2, 2) and cfg.n_draft_vocab == 300 and cfg.n_embd_tgt == 64
     assert len(np.unique(tensors["d2t"])) == 300
@@ -81,6 +108,9 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     result = runner.invoke(cli.app, [*args[:8], "5", *args[9:], "--resume"])
     assert result.exit_code == 0, result.output
     assert "resumed from" in result.output and "at step 3" in result.output
+    assert "decay_steps 3 → 5" in result.output  # --max-steps moved the end of the decay
+    assert [r["step"] for r in read_curve(curve)] == ["1", "2", "3", "4", "5"]
+    assert read_curve(curve)[:3] == rows
     meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
     assert meta.value("edgespec.head.trained_steps") == "5"
 

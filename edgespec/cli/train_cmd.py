@@ -19,10 +19,12 @@ def train_head(
     out: Annotated[Path, typer.Option("--out", help="Head GGUF to write (llama.cpp's eagle3 or dflash layout).")],
     kind: Annotated[str, typer.Option("--kind", help="Head type: eagle3, dflash, or dspark (Markov and "
                                                      "confidence heads on a frozen --base DFlash head).")] = "eagle3",
-    budget_min: Annotated[float, typer.Option("--budget-min", help="Training time in minutes (feature "
-                                                                   "extraction not counted).")] = 10.0,
-    max_steps: Annotated[int, typer.Option("--max-steps", help="Stop after this many optimizer steps "
-                                                               "(0: only the budget).")] = 0,
+    budget_min: Annotated[float, typer.Option("--budget-min", help="Training time in minutes of this session "
+                                                                   "(feature extraction not counted; 0: no "
+                                                                   "limit, needs --max-steps).")] = 10.0,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="Planned total optimizer steps over all "
+                                                               "--resume sessions: training stops there and "
+                                                               "--lr-decay ends there (0: only the budget).")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of data order, corpus order and initialisation.")] = 0,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Draft vocabulary size (most frequent "
                                                                    "target tokens of the training data).")] = 8192,
@@ -34,8 +36,16 @@ def train_head(
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")] = 192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
-    lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall linearly to 0 at "
+    lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall to 0 at "
                                                               "--max-steps (default: constant).")] = False,
+    decay_shape: Annotated[str, typer.Option("--decay-shape", help="Shape of --lr-decay: linear or "
+                                                                   "cosine.")] = "linear",
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Linear learning-rate warm-up from 0 "
+                                                                     "over this many steps.")] = 0,
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Held-out evaluation (a row of the work "
+                                                                 "directory's curve CSV) every N steps.")] = 50,
+    device: Annotated[str, typer.Option("--device", help="Torch device: auto (cuda, else mps, else cpu), "
+                                                         "cpu, cuda or mps.")] = "auto",
     block_size: Annotated[int, typer.Option("--block-size", help="dflash: block size B (anchor + B−1 "
                                                                  "drafts).")] = 8,
     dflash_layers: Annotated[int, typer.Option("--dflash-layers", help="dflash: decoder layers.")] = 1,
@@ -64,6 +74,14 @@ def train_head(
                             f"{dflash_layers}, {markov_rank})")
     if lr_decay and not max_steps:
         raise EdgespecError("--lr-decay needs --max-steps (the learning rate reaches 0 at the last step)")
+    if decay_shape not in ("linear", "cosine") or (decay_shape == "cosine" and not lr_decay):
+        raise EdgespecError(f"--decay-shape must be linear or cosine, and cosine needs --lr-decay "
+                            f"(got {decay_shape!r})")
+    if warmup_steps < 0 or eval_every < 1 or (lr_decay and warmup_steps >= max_steps):
+        raise EdgespecError(f"need --warmup-steps ≥ 0 (and < --max-steps with --lr-decay) and --eval-every ≥ 1 "
+                            f"(got {warmup_steps}, {eval_every}; --max-steps {max_steps})")
+    if budget_min <= 0 and not max_steps:
+        raise EdgespecError(f"--budget-min {budget_min:g} (no time limit) needs --max-steps")
     if weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
     try:
@@ -74,23 +92,28 @@ def train_head(
     from edgespec.train import prompts as P
     from edgespec.train.pipeline import HeadJob
     from edgespec.train.pipeline import train_head as run
-    from edgespec.train.trainer import TrainConfig
+    from edgespec.train.trainer import TrainConfig, resolve_device
 
+    resolved = resolve_device(device)  # an absent device fails here, before minutes of feature extraction
     if threads:
         torch.set_num_threads(threads)
-    job = HeadJob(target=resolve_model(target), out=out, kind=kind, budget_s=budget_min * 60,
+    budget_s = budget_min * 60 if budget_min > 0 else None
+    job = HeadJob(target=resolve_model(target), out=out, kind=kind, budget_s=budget_s,
                   max_steps=max_steps or None, seed=seed, draft_vocab=draft_vocab, resume=resume,
                   weight_type=weight_type, corpus_chars=corpus_chars,
                   n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
                   threads=threads or None, work_dir=work_dir, block_size=block_size, dflash_layers=dflash_layers,
-                  base=base, markov_rank=markov_rank, lr_decay=lr_decay, train=TrainConfig(ttt_steps=ttt_steps, lr=lr))
+                  base=base, markov_rank=markov_rank, lr_decay=lr_decay, device=resolved.type,
+                  train=TrainConfig(ttt_steps=ttt_steps, lr=lr, eval_every=eval_every, warmup_steps=warmup_steps,
+                                    decay_shape=decay_shape))
     with _TrainProgress() as bar:
         summary = run(job, note=ui.status, progress=bar.extract, on_step=bar.step)
     end = summary["end"]
     acc = " ".join(f"{a:.2f}" for a in end["acceptance"]) if end else "n/a"
     tau = f" (τ ≈ {end['tau']:.2f})" if end else ""
-    ui.status(f"wrote {summary['out']} after {summary['steps']} steps ({summary['seconds']:.0f} s); "
-              f"held-out top-1 acceptance by position: {acc}{tau}")
+    ui.status(f"wrote {summary['out']} after {summary['steps']} steps ({summary['seconds']:.0f} s, "
+              f"{summary['tokens']} tokens on {resolved.type}); held-out top-1 acceptance by position: "
+              f"{acc}{tau}")
 
 
 class _TrainProgress:
@@ -119,5 +142,5 @@ class _TrainProgress:
         if "train" not in self._tasks:
             self._tasks["train"] = self._p.add_task("training", total=None, info="")
         if ev is not None:
-            self._acc = f"held-out loss {ev['loss']:.3f} acc1 {ev['acceptance'][0]:.3f}"
+            self._acc = f"held-out loss {ev['loss']:.3f} acc1 {ev['acceptance'][0]:.3f} τ {ev['tau']:.2f}"
         self._p.update(self._tasks["train"], completed=step, info=f"loss {loss:.3f}  {self._acc}")

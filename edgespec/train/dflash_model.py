@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from edgespec.heads.dflash import _LAYER, DFlashConfig
-from edgespec.train.model import GGUFHead, chain_counts, rms_norm, soft_ce, soft_labels
+from edgespec.train.model import GGUFHead, angle_dtype, chain_counts, rms_norm, soft_ce, soft_labels
 
 DFLASH_GAMMA = 4.0
 DFLASH_DECAY = math.exp(-1.0 / DFLASH_GAMMA)  # TrainConfig.step_decay for DFlash rows
@@ -34,8 +34,9 @@ DFLASH_DECAY = math.exp(-1.0 / DFLASH_GAMMA)  # TrainConfig.step_decay for DFlas
 def rope_neox(x: torch.Tensor, pos: torch.Tensor, n_rot: int, base: float) -> torch.Tensor:
     """ggml rope NeoX mode: rotate (x[i], x[i + n_rot/2]). x: (..., heads, d); pos: x.shape[:-2]."""
     half = n_rot // 2
-    i = torch.arange(half, dtype=torch.float64)
-    theta = (pos.to(torch.float64)[..., None] * base ** (-2.0 * i / n_rot)).to(x.dtype)  # (..., half)
+    f = angle_dtype(x.device)
+    i = torch.arange(half, dtype=f, device=x.device)
+    theta = (pos.to(f)[..., None] * base ** (-2.0 * i / n_rot)).to(x.dtype)  # (..., half)
     cos, sin = torch.cos(theta)[..., None, :], torch.sin(theta)[..., None, :]
     x0, x1 = x[..., :half], x[..., half:n_rot]
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos, x[..., n_rot:]], dim=-1)
@@ -80,7 +81,7 @@ class TorchDFlash(GGUFHead):
         c = self.config
         g = rms_norm((feats * self.feat_scale) @ self.p("fc.weight").T, self.p("enc.output_norm.weight"),
                      c.rms_eps)  # (n, H)
-        n, pos = len(g), torch.arange(len(g))
+        n, pos = len(g), torch.arange(len(g), device=g.device)
         out = []
         for i in range(c.n_layer):
             k = (g @ self.p(f"blk.{i}.attn_k.weight").T).view(n, c.n_head_kv, c.head_dim)
@@ -103,14 +104,17 @@ class TorchDFlash(GGUFHead):
         """
         c = self.config
         m, b = tokens.shape
+        dev = tokens.device
         x = self.tok_embd[tokens]  # (M, b, H)
         if c.embedding_scale:
             x = x * c.embedding_scale
-        pos = start[:, None] + torch.arange(b)  # (M, b)
+        pos = start[:, None] + torch.arange(b, device=dev)  # (M, b)
         group = c.n_head // c.n_head_kv
         scale = c.attention_scale or 1.0 / math.sqrt(c.head_dim)
         ctx_mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :]  # (M, 1, 1, n)
-        blk_mask = torch.zeros(b, b) if not c.causal else torch.full((b, b), float("-inf")).triu(1)
+        blk_mask = torch.zeros(b, b, device=dev)
+        if c.causal:
+            blk_mask = torch.full((b, b), float("-inf"), device=dev).triu(1)
         for i, (kc, vc) in enumerate(ctx):
             w = {k: self.p(f"blk.{i}.{k}.weight") for k in _LAYER}
             u = rms_norm(x, w["attn_norm"], c.rms_eps)
@@ -137,9 +141,10 @@ class TorchDFlash(GGUFHead):
     def forward_block(self, feats: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``DFlashHead.forward_block`` after injecting ``feats`` (n, T·H) into an empty cache: the block
         ``tokens`` (b,) at positions n..n+b−1 → (logits (b, V) with −inf outside d2t, hidden (b, H))."""
-        n = len(feats)
-        z, h = self.blocks(tokens[None], torch.tensor([n]), self.context_kv(feats), torch.ones(1, n, dtype=torch.bool))
-        logits = torch.full((len(tokens), self.config.n_vocab), float("-inf"), dtype=z.dtype)
+        n, dev = len(feats), feats.device
+        z, h = self.blocks(tokens[None], torch.tensor([n], device=dev), self.context_kv(feats),
+                           torch.ones(1, n, dtype=torch.bool, device=dev))
+        logits = torch.full((len(tokens), self.config.n_vocab), float("-inf"), dtype=z.dtype, device=dev)
         logits[:, self.d2t] = z[0]
         return logits, h[0]
 
@@ -152,10 +157,11 @@ class TorchDFlash(GGUFHead):
         last = len(tokens) - bsz  # the last anchor whose block rows all have a label
         a = np.arange(1, last + 1) if rng is None else np.sort(rng.choice(np.arange(1, last + 1),
                                                                           min(n_anchors, max(last, 0)), replace=False))
-        a = torch.tensor(a, dtype=torch.int64)
-        block = torch.full((len(a), bsz), self.config.mask_token_id, dtype=torch.int64)
+        dev = tokens.device
+        a = torch.tensor(a, dtype=torch.int64, device=dev)
+        block = torch.full((len(a), bsz), self.config.mask_token_id, dtype=torch.int64, device=dev)
         block[:, 0] = tokens[a]
-        visible = torch.arange(len(tokens))[None, :] < a[:, None]
+        visible = torch.arange(len(tokens), device=dev)[None, :] < a[:, None]
         z, h = self.blocks(block, a, self.context_kv(seq["feats"]), visible)
         return a, block, z, h
 
@@ -183,7 +189,7 @@ class TorchDFlash(GGUFHead):
                    ) -> tuple[torch.Tensor, ...]:
         """``soft_labels`` of rows 1..B−1 of the blocks at ``anchors`` (M,): cache rows a..a+B−2 →
         (d, p, mass (M, B−1, 1), the target's argmax (M, B−1))."""
-        idx = anchors[:, None] + torch.arange(self.config.block_size - 1)  # (M, B−1)
+        idx = anchors[:, None] + torch.arange(self.config.block_size - 1, device=anchors.device)  # (M, B−1)
         ids = seq["top_ids"][idx]
         return (*soft_labels(t2d, ids, seq["top_lp"][idx]), ids[..., 0])
 
@@ -192,7 +198,8 @@ class TorchDFlash(GGUFHead):
         """Σ w_r·CE / Σ w_r over rows whose label has draft-vocabulary mass, w_r = decay^(r−1).
         z: (M, B−1, V_d)."""
         d, p, mass, _ = labels
-        w = decay ** torch.arange(z.shape[1], dtype=z.dtype) * (mass[..., 0] > 0)  # (M, B−1)
+        rows = torch.arange(z.shape[1], dtype=z.dtype, device=z.device)
+        w = decay ** rows * (mass[..., 0] > 0)  # (M, B−1)
         if not w.numel():
             return z.sum() * 0.0  # no block fits the sequence: a zero loss still in the graph
         return (w * soft_ce(z, d, p)).sum() / w.sum().clamp_min(1e-12)

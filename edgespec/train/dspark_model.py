@@ -104,7 +104,8 @@ class TorchDSpark(nn.Module):
         with torch.no_grad():
             a, block, z, h = self.base.anchor_blocks(seq, rng, train.anchors)
         b = self.config.block_size
-        prev = seq["tokens"][a[:, None] + torch.arange(b - 1)]  # (M, B−1): t_{a+r−1}, the anchor first
+        # (M, B−1): t_{a+r−1}, the anchor first
+        prev = seq["tokens"][a[:, None] + torch.arange(b - 1, device=a.device)]
         logits, conf = self.markov(z[:, 1:], h[:, 1:], prev)
         labels = self.base.row_labels(seq, t2d, a)
         right = self.d2t[logits.argmax(-1)] == labels[3]
@@ -121,10 +122,10 @@ class TorchDSpark(nn.Module):
     def to_numpy(self) -> dict[str, npt.NDArray[Any]]:
         """The base's tensors plus the DSpark ones, GGUF-named."""
         return self.base.to_numpy() | {
-            "markov_w1.weight": self.markov_w1.detach().numpy().copy(),
-            "markov_w2.weight": self.markov_w2.detach().numpy().copy(),
-            "conf_proj.weight": self.conf_w.detach().numpy().copy(),
-            "conf_proj.bias": self.conf_b.detach().numpy().copy()}
+            "markov_w1.weight": self.markov_w1.detach().cpu().numpy().copy(),
+            "markov_w2.weight": self.markov_w2.detach().cpu().numpy().copy(),
+            "conf_proj.weight": self.conf_w.detach().cpu().numpy().copy(),
+            "conf_proj.bias": self.conf_b.detach().cpu().numpy().copy()}
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: Mapping[str, str] | None = None) -> Path:

@@ -38,6 +38,7 @@ class TrainableHead(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> Any: ...
     def train(self, mode: bool = True) -> Any: ...
+    def to(self, device: torch.device) -> Any: ...
 
     def sequence_loss(self, seq: Mapping[str, torch.Tensor], t2d: torch.Tensor, train: Any,
                       steps: int | None = None, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, Any]: ...
@@ -59,10 +60,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def angle_dtype(device: torch.device) -> torch.dtype:
+    """RoPE angles in float64 (positions × frequencies lose digits in float32), but float32 on mps,
+    which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def rope_norm(x: torch.Tensor, pos: torch.Tensor, n_rot: int, base: float) -> torch.Tensor:
     """ggml rope mode 0: rotate adjacent pairs (x[2i], x[2i+1]). x: (N, heads, d); pos: (N,)."""
-    i = torch.arange(n_rot // 2, dtype=torch.float64)
-    theta = (pos.to(torch.float64)[:, None] * base ** (-2.0 * i / n_rot)).to(x.dtype)  # (N, n_rot/2)
+    f = angle_dtype(x.device)
+    i = torch.arange(n_rot // 2, dtype=f, device=x.device)
+    theta = (pos.to(f)[:, None] * base ** (-2.0 * i / n_rot)).to(x.dtype)  # (N, n_rot/2)
     cos, sin = torch.cos(theta)[:, None, :], torch.sin(theta)[:, None, :]
     x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
     rot = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)  # (N, h, n_rot)
@@ -87,7 +95,7 @@ def soft_ce(z: torch.Tensor, d: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def chain_counts(right: torch.Tensor, skip: int = 0) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """right (chains, depth) bool: draft k of a chain is right → (hits, counts) per position k, a hit
     at k being a chain whose drafts 1..k are all right; the first ``skip`` chains are not counted."""
-    r = right.numpy().astype(bool)[skip:]
+    r = right.cpu().numpy().astype(bool)[skip:]
     return np.cumprod(r, axis=1).sum(0).astype(np.float64), np.full(r.shape[1], float(len(r)))
 
 
@@ -178,7 +186,7 @@ class TorchEagle3(GGUFHead):
         """
         c = self.config
         n = len(tokens_next)
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=feats.device)
         e = rms_norm(self.tok_embd[tokens_next], self.p("blk.0.attn_norm.weight"), c.rms_eps)
         g = self.encode(feats)
         group = c.n_head // c.n_head_kv
@@ -219,7 +227,7 @@ class TorchEagle3(GGUFHead):
         """Step 1 only, as ``Eagle3Head.decode`` from an empty cache: (logits over V with −inf outside
         the draft vocabulary (N, V), pre-norm h (N, H))."""
         c, n = self.config, len(tokens)
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=g.device)
         e = rms_norm(self.tok_embd[tokens], self.p("blk.0.attn_norm.weight"), c.rms_eps)
         q, k, v, gn = self._qkv(e, g, pos)
         group = c.n_head // c.n_head_kv
@@ -228,7 +236,7 @@ class TorchEagle3(GGUFHead):
         s = s.masked_fill(~(pos[None, :] <= pos[:, None])[None], float("-inf"))
         a = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), v).reshape(n, -1)
         z, h = self._rest(a, g, gn)
-        logits = torch.full((n, c.n_vocab), float("-inf"), dtype=z.dtype)
+        logits = torch.full((n, c.n_vocab), float("-inf"), dtype=z.dtype, device=z.device)
         logits[:, self.d2t] = z
         return logits, h
 
@@ -254,8 +262,8 @@ class TorchEagle3(GGUFHead):
         outs = self.rollout(tokens[1:], seq["feats"][:n], steps)
         ids = seq["top_ids"][1:]  # row P: the target at P+1, predicting t_{P+2}
         d, p, mass = soft_labels(t2d, ids, seq["top_lp"][1:])
-        pos = torch.arange(n)
-        total = torch.zeros(())
+        pos = torch.arange(n, device=tokens.device)
+        total = torch.zeros((), device=tokens.device)
         wsum = 0.0
         right = []
         for k, z in enumerate(outs, start=1):
@@ -274,7 +282,7 @@ class TorchEagle3(GGUFHead):
         """Chained acceptance of ``sequence_loss``'s ``right``: (hits, counts) per position k over
         the chain origins o ≥ ``skip`` (step j of origin o is row o+j−1 of step j; origin o's first
         draft predicts t_{o+2})."""
-        r = np.stack([x.numpy() for x in right])  # (steps, N)
+        r = np.stack([x.cpu().numpy() for x in right])  # (steps, N)
         steps, n = r.shape
         hits, counts = np.zeros(steps), np.zeros(steps)
         for k in range(1, steps + 1):

@@ -4,9 +4,13 @@ Kinds: ``eagle3``, ``dflash`` (``edgespec.train.dflash_model``) and ``dspark`` (
 confidence heads on a frozen DFlash head, ``edgespec.train.dspark_model``). All read the same feature
 cache (EAGLE-3's target layers by default), so one work directory serves every kind.
 
-Work directory (default ``$EDGESPEC_HOME/train/<target file stem>``): ``train/`` and ``heldout/``
-feature caches, ``d2t-<V_d>.npy`` and one ``checkpoint-<kind>…pt`` per head kind and shape. Rerunning resumes the extraction; ``resume``
-continues training from the checkpoint (the budget then counts the new run's seconds only).
+Work directory, the run directory (default ``$EDGESPEC_HOME/train/<target file stem>``): ``train/``
+and ``heldout/`` feature caches, ``d2t-<V_d>.npy``, and per head kind and shape one
+``checkpoint-<kind>…pt`` with its learning curve ``curve-<kind>…csv`` (``edgespec.train.curve``) and
+``curve-<kind>…png``. The curve is named like its checkpoint because one work directory serves every
+kind. Rerunning resumes the extraction; ``resume`` continues training from the checkpoint: model,
+optimizer, step (hence learning rate and data position), tokens seen, curve and torch's RNG (the
+budget then counts the new run's seconds only).
 Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,13 @@ from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dflash_gguf import read_dflash_gguf
 from edgespec.train import prompts as P
+from edgespec.train.curve import plot_curve
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
 from edgespec.train.features import CachePlan, FeatureCache, build_cache
 from edgespec.train.model import TorchEagle3, TrainableHead
-from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors
+from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors, resolve_device
 
 KINDS = ("eagle3", "dflash", "dspark")
 
@@ -61,7 +66,8 @@ class HeadJob:
     dflash_layers: int = 1  # dflash: decoder layers of the head
     base: Path | None = None  # dspark: the trained DFlash head it is built on (frozen)
     markov_rank: int = 32  # dspark: R
-    lr_decay: bool = False  # the learning rate falls linearly to 0 at max_steps
+    lr_decay: bool = False  # the learning rate falls to 0 at max_steps (train.decay_shape: linear or cosine)
+    device: str = "auto"  # torch device: auto, cpu, cuda or mps (trainer.resolve_device)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -156,6 +162,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
 
     if job.kind not in KINDS:
         raise ValueError(f"--kind must be one of {', '.join(KINDS)} (got {job.kind!r})")
+    device = resolve_device(job.device)  # before the extraction: an absent device fails in a second
     torch.manual_seed(job.seed)
     home = Path(os.environ.get("EDGESPEC_HOME", Path.home() / ".cache" / "edgespec"))
     work = job.work_dir or home / "train" / job.target.stem
@@ -197,22 +204,33 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
             raise ValueError("a learning-rate decay needs --max-steps (it falls to 0 at the last step)")
         decay["decay_steps"] = job.max_steps
     train_cfg = TrainConfig(**{**job.train.__dict__, **decay, "seed": job.seed})
-    trainer = Trainer(model, cache.files(), held.files(), train_cfg)
+    trainer = Trainer(model, cache.files(), held.files(), train_cfg, device=device)
     shape = {"eagle3": "", "dflash": f"-b{job.block_size}-l{job.dflash_layers}",
              "dspark": f"-r{job.markov_rank}-{Path(job.base or '').stem}"}[job.kind]
-    ckpt = work / f"checkpoint-{job.kind}{shape}-v{job.draft_vocab}-s{job.seed}.pt"
+    run_name = f"{job.kind}{shape}-v{job.draft_vocab}-s{job.seed}"
+    ckpt, curve = work / f"checkpoint-{run_name}.pt", work / f"curve-{run_name}.csv"
     if job.resume and ckpt.exists():
-        trainer.load(ckpt)
-        note(f"resumed from {ckpt} at step {trainer.step} ({trainer.elapsed:.0f} s trained)")
+        before = trainer.load(ckpt)
+        note(f"resumed from {ckpt} at step {trainer.step} ({trainer.elapsed:.0f} s trained, "
+             f"{trainer.tokens} tokens seen)")
+        changed = [f"{k} {before[k]} → {v}" for k, v in asdict(train_cfg).items() if k in before and before[k] != v]
+        if changed:
+            note(f"settings changed since the checkpoint: {'; '.join(changed)}")
     elif ckpt.exists():
         note(f"starting over (pass --resume to continue {ckpt})")
     note(f"{len(cache.files())} training sequences, {len(held.files())} held-out; draft vocab {len(model.d2t)}; "
-         f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trained parameters")
+         f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trained parameters; "
+         f"device {device}")
     start = trainer.evaluate() if held.files() else None
-    trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt)
+    trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt, curve=curve)
     end = trainer.evaluate() if held.files() else None
+    png = curve.with_suffix(".png") if curve.exists() and plot_curve(curve, curve.with_suffix(".png")) else None
+    if curve.exists():
+        note(f"learning curve: {curve}" + (f" and {png}" if png else
+                                           " (no PNG: matplotlib is not installed; pip install 'edgespec[plot]')"))
     provenance = {"edgespec.head.trained_steps": str(trainer.step), "edgespec.head.seed": str(job.seed),
                   "edgespec.head.train_seconds": f"{trainer.elapsed:.0f}",
+                  "edgespec.head.train_tokens": str(trainer.tokens), "edgespec.head.train_device": device.type,
                   "edgespec.head.data": f"{len(cache.files())} sequences: stdlib + /usr/share/doc text "
                                         f"({job.corpus_chars} chars) and greedy generations on "
                                         f"{job.n_prompts} training prompts",
@@ -220,5 +238,5 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     if job.kind == "dspark":
         provenance["edgespec.head.base"] = Path(job.base or "").name
     trainer.export(job.out, job.target, job.weight_type, extra_kv=provenance)
-    return {"steps": trainer.step, "seconds": trainer.elapsed, "start": start, "end": end, "out": job.out,
-            "checkpoint": ckpt}
+    return {"steps": trainer.step, "seconds": trainer.elapsed, "tokens": trainer.tokens, "start": start, "end": end,
+            "out": job.out, "checkpoint": ckpt, "curve": curve, "png": png}

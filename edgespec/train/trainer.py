@@ -13,13 +13,20 @@ when the head's argmax equals the target's argmax; "position k" counts chains (E
 origin; DFlash: every block) whose drafts 1..k are all right.
 
 Determinism: the sample order is a function of (seed, epoch) only, DFlash's anchors of (seed, sample
-index), and the model has no dropout, so a
-run stopped after any step and resumed from its checkpoint continues exactly as one that never
-stopped (tested).
+index), the learning rate of the step (``lr_at``), and the model has no dropout, so a run stopped
+after any step and resumed from its checkpoint continues exactly as one that never stopped, its
+learning curve included (tested). Numpy randomness is only such seeded generators (no state to
+save); torch's CPU generator state is saved and restored anyway.
+
+Devices: ``Trainer(device=...)`` puts the model, the batches and the loss on a torch device
+(``resolve_device``); autocast is bfloat16 on cpu and cuda, none on mps (``autocast_dtype``).
+Checkpoints are written from and read onto any device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,8 +37,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from edgespec.errors import DeviceError
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
+from edgespec.train.curve import append_curve, curve_row, write_curve
 from edgespec.train.data import target_to_draft
 from edgespec.train.features import FeatureCache
 from edgespec.train.model import TrainableHead
@@ -51,7 +60,58 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     bf16: bool = True  # bfloat16 autocast for the forward/backward (weights and optimizer stay float32)
-    decay_steps: int = 0  # > 0: the learning rate falls linearly from lr to 0 over this many steps
+    decay_steps: int = 0  # > 0: after the warm-up the learning rate falls to 0 at this step (``lr_at``)
+    warmup_steps: int = 0  # the learning rate rises linearly from 0 to lr over this many steps
+    decay_shape: str = "linear"  # linear or cosine (the fall of ``decay_steps``)
+
+    def __post_init__(self) -> None:
+        if self.decay_shape not in ("linear", "cosine"):
+            raise ValueError(f"decay shape must be linear or cosine (got {self.decay_shape!r})")
+        if self.warmup_steps < 0 or self.eval_every < 1:
+            raise ValueError(f"need warm-up steps ≥ 0 and eval_every ≥ 1 (got {self.warmup_steps}, "
+                             f"{self.eval_every})")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"the decay must end after the warm-up (decay to step {self.decay_steps}, "
+                             f"warm-up {self.warmup_steps} steps)")
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): ``lr``·step/``warmup_steps`` during the
+    warm-up, then ``lr``, or with ``decay_steps`` > 0 falling from ``lr`` to 0 at step ``decay_steps``
+    (linearly, or along a half cosine). A pure function of the step, so a resume continues it exactly."""
+    if step < config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    if not config.decay_steps:
+        return config.lr
+    frac = min(1.0, (step - config.warmup_steps) / (config.decay_steps - config.warmup_steps))
+    if config.decay_shape == "cosine":
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return config.lr * (1.0 - frac)
+
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda if torch sees one, else mps if available, else cpu; ``cpu``, ``cuda``, ``mps`` →
+    that device, or a ``DeviceError`` naming it when it is absent."""
+    if name not in DEVICES:
+        raise DeviceError(f"--device must be one of {', '.join(DEVICES)} (got {name!r})")
+    have = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if name == "auto":
+        name = "cuda" if have["cuda"] else "mps" if have["mps"] else "cpu"
+    if not have[name]:
+        raise DeviceError(f"--device {name}: torch {torch.__version__} sees no {name.upper()} device here")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of training on ``device``: bfloat16 on cpu and cuda (None, float32, on a GPU
+    without bf16); None on mps, where float16 without a gradient scaler lets small gradients underflow
+    and bf16 needs macOS 14."""
+    if device.type == "mps" or (device.type == "cuda" and not torch.cuda.is_bf16_supported()):
+        return None
+    return torch.bfloat16
 
 
 def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
@@ -94,23 +154,28 @@ class Trainer:
     """Trains ``model`` on the files of ``cache`` (``train_files``), evaluating on ``val_files``.
 
     Args:
-        model: the head (its d2t fixes the draft vocabulary).
+        model: the head (its d2t fixes the draft vocabulary); moved to ``device``.
         train_files, val_files: ``seq_*.npz`` paths (see ``features``).
         config: optimisation settings.
+        device: where the model, the batches and the loss live (``resolve_device`` turns ``auto`` into one).
     """
 
     def __init__(self, model: TrainableHead, train_files: Sequence[Path], val_files: Sequence[Path],
-                 config: TrainConfig) -> None:
+                 config: TrainConfig, device: torch.device | str = "cpu") -> None:
         if not train_files:
             raise ValueError("no training sequences in the feature cache")
-        self.model, self.config = model, config
+        self.device = torch.device(device)
+        self.model, self.config = model.to(self.device), config
         self.train_files, self.val_files = list(train_files), list(val_files)
-        self.t2d = torch.tensor(target_to_draft(model.d2t.numpy(), model.config.n_vocab))
+        t2d = target_to_draft(model.d2t.cpu().numpy(), model.config.n_vocab)
+        self.t2d = torch.tensor(t2d, device=self.device)
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                      weight_decay=config.weight_decay)
         self.step = 0
         self.elapsed = 0.0  # training seconds over all runs (resumes included)
-        self.history: list[dict[str, float]] = []
+        self.tokens = 0  # training tokens seen: the tokens of every sequence read (see ``curve``)
+        self.history: list[dict[str, Any]] = []  # the curve's rows (``curve.curve_row``)
+        self.window: list[float] = []  # step losses since the last evaluation
 
     # -- data --------------------------------------------------------------------------------------
 
@@ -120,14 +185,13 @@ class Trainer:
         order = np.random.default_rng([self.config.seed, i // n]).permutation(n)
         return self.train_files[order[i % n]]
 
-    @staticmethod
-    def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    def _tensors(self, path: Path) -> dict[str, torch.Tensor]:
         z = FeatureCache.load_file(path)
-        return {"tokens": torch.tensor(z["tokens"].astype(np.int64)),
-                "feats": torch.tensor(z["feats"]),
-                "top_ids": torch.tensor(z["top_ids"].astype(np.int64)),
-                "top_lp": torch.tensor(z["top_lp"].astype(np.float32)),
-                "n_prompt": torch.tensor(int(z["n_prompt"]))}
+        arrays = {"tokens": z["tokens"].astype(np.int64), "feats": z["feats"],
+                  "top_ids": z["top_ids"].astype(np.int64), "top_lp": z["top_lp"].astype(np.float32)}
+        out = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in arrays.items()}
+        out["n_prompt"] = torch.tensor(int(z["n_prompt"]))  # read as an int: stays on the CPU
+        return out
 
     # -- loss and acceptance (the head's own objective) ---------------------------------------------
 
@@ -163,20 +227,22 @@ class Trainer:
     # -- optimisation ------------------------------------------------------------------------------
 
     def train_step(self) -> float:
-        """One AdamW step over ``batch`` sequences; returns the mean loss."""
+        """One AdamW step over ``batch`` sequences at the learning rate ``lr_at(config, step)``;
+        returns the mean loss."""
         self.model.train()
-        if self.config.decay_steps:
-            for group in self.opt.param_groups:
-                group["lr"] = self.config.lr * max(0.0, 1.0 - self.step / self.config.decay_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.config, self.step)
         self.opt.zero_grad(set_to_none=True)
+        dtype = autocast_dtype(self.device) if self.config.bf16 else None
         total = 0.0
         for b in range(self.config.batch):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
-                i = self.step * self.config.batch + b
-                loss, _ = self.sequence_loss(self._tensors(self._sample(i)),
-                                             rng=np.random.default_rng([self.config.seed, i, 1]))
+            i = self.step * self.config.batch + b
+            seq = self._tensors(self._sample(i))
+            with (torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss, _ = self.sequence_loss(seq, rng=np.random.default_rng([self.config.seed, i, 1]))
             (loss / self.config.batch).backward()
             total += float(loss.detach())
+            self.tokens += len(seq["tokens"])
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.opt.step()
         self.step += 1
@@ -184,26 +250,34 @@ class Trainer:
 
     def run(self, *, max_steps: int | None = None, budget_s: float | None = None,
             on_step: Callable[[int, float, dict[str, Any] | None], None] | None = None,
-            checkpoint: Path | None = None, checkpoint_every_s: float = 120.0) -> None:
-        """Train until ``max_steps`` (total, resumes included) or ``budget_s`` more seconds pass.
+            checkpoint: Path | None = None, checkpoint_every_s: float = 120.0, curve: Path | None = None) -> None:
+        """Train until ``max_steps`` (total, resumes included) or ``budget_s`` more seconds pass,
+        evaluating every ``config.eval_every`` steps.
 
         Args:
             on_step: called as ``on_step(step, loss, eval_or_None)`` after every step.
             checkpoint: where to save (every ``checkpoint_every_s`` and at the end).
+            curve: the learning-curve CSV (``curve``): rewritten from ``history`` first (so rows a
+                crashed session wrote after its checkpoint go), then one row appended per evaluation.
         """
         if max_steps is None and budget_s is None:
             raise ValueError("give max_steps or budget_s")
+        if curve is not None:
+            write_curve(curve, self.history)
         t0 = time.monotonic()
         last_save = t0
         while (max_steps is None or self.step < max_steps) and (budget_s is None or time.monotonic() - t0 < budget_s):
             ts = time.monotonic()
             loss = self.train_step()
             self.elapsed += time.monotonic() - ts
+            self.window.append(loss)
             ev = None
             if self.val_files and self.step % self.config.eval_every == 0:
                 ev = self.evaluate()
-                self.history.append({"step": self.step, "loss": loss, "val_loss": ev["loss"],
-                                     "acc1": ev["acceptance"][0], "elapsed": self.elapsed})
+                self.history.append(curve_row(self.step, self.tokens, float(np.mean(self.window)), ev, self.elapsed))
+                self.window = []
+                if curve is not None:
+                    append_curve(curve, self.history)
             if on_step:
                 on_step(self.step, loss, ev)
             if checkpoint is not None and time.monotonic() - last_save > checkpoint_every_s:
@@ -215,22 +289,35 @@ class Trainer:
     # -- checkpoints and export --------------------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Model, optimizer, step, elapsed time and history (atomic)."""
+        """Model, optimizer, step, tokens seen, elapsed time, curve rows, the loss window and torch's
+        CPU RNG state (atomic)."""
         path = Path(path)
         tmp = path.with_suffix(".tmp")
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "elapsed": self.elapsed, "history": self.history, "train": asdict(self.config),
-                    "head": asdict(self.model.config)}, tmp)
+                    "tokens": self.tokens, "elapsed": self.elapsed, "history": self.history,
+                    "window": self.window, "torch_rng": torch.random.get_rng_state(),
+                    "train": asdict(self.config), "head": asdict(self.model.config)}, tmp)
         tmp.replace(path)
 
-    def load(self, path: Path) -> None:
-        """Restore a checkpoint written by ``save`` for the same head shape."""
-        state = torch.load(Path(path), weights_only=False)
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore a checkpoint written by ``save`` for the same head shape, on this trainer's device.
+
+        Returns:
+            the ``TrainConfig`` fields the checkpoint was trained with (as a dict).
+        """
+        state = torch.load(Path(path), map_location="cpu", weights_only=False)
         if state["head"] != asdict(self.model.config):
             raise ValueError(f"checkpoint {path} is for another head shape; delete it or change --work-dir")
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
-        self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        self.model.load_state_dict(state["model"])  # copies onto the parameters' device
+        self.opt.load_state_dict(state["opt"])  # AdamW moves its moments to the parameters' device
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        # rows of checkpoints older than the curve CSV have no token count to plot against: dropped
+        self.history = [r for r in state["history"] if "tokens" in r]
+        # checkpoints written before tokens/window/RNG were saved resume with the counts restarted
+        self.tokens, self.window = state.get("tokens", 0), state.get("window", [])
+        if "torch_rng" in state:
+            torch.random.set_rng_state(state["torch_rng"])
+        return dict(state["train"])
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: dict[str, str] | None = None) -> Path:
