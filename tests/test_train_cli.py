@@ -89,7 +89,8 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     args = ["train-head", "--target", str(target), "--out", str(out), "--kind", "eagle3", "--max-steps", "3",
             "--seed", "1", "--draft-vocab", "300", "--weight-type", "q8_0", "--corpus-chars", "6000",
             "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w"),
-            "--device", "cpu", "--eval-every", "1", "--warmup-steps", "1", "--lr-decay", "--decay-shape", "cosine"]
+            "--device", "cpu", "--eval-every", "1", "--warmup-steps", "1", "--lr-decay", "--decay-shape", "cosine",
+            "--gen-prompts", "6", "--n-seq", "4"]
     result = runner.invoke(cli.app, args)
     assert result.exit_code == 0, result.output
     curve = tmp_path / "w" / "curve-eagle3-v300-s1.csv"
@@ -105,6 +106,12 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     assert len(np.unique(tensors["d2t"])) == 300
     meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
     assert meta.value("edgespec.head.trained_steps") == "3" and meta.value("edgespec.head.seed") == "1"
+    # the batched self-distilled replies: in the cache's manifest, the resumable replies file, the provenance
+    from edgespec.train.features import FeatureCache
+
+    gen = [e for e in FeatureCache(tmp_path / "w" / "train").manifest() if e["source"].startswith("gen:")]
+    assert len(gen) == 6 and len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 6
+    assert "gen:" in meta.value("edgespec.head.data") and "greedy)" in meta.value("edgespec.head.data")
     result = runner.invoke(cli.app, [*args[:8], "5", *args[9:], "--resume"])
     assert result.exit_code == 0, result.output
     assert "resumed from" in result.output and "at step 3" in result.output

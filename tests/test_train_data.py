@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edgespec.train import prompts as P
 from edgespec.train.data import (
@@ -16,7 +17,8 @@ from edgespec.train.data import (
     ngrams,
     target_to_draft,
 )
-from edgespec.train.features import BASE_PROMPT, top_k_logprobs
+from edgespec.train.features import BASE_PROMPT, chat_tokens, top_k_logprobs
+from edgespec.train.prompt_gen import CATEGORIES, TrainPrompt, generate_prompts
 
 
 def test_evaluation_texts_cover_the_bench_suite_and_test_prompts():
@@ -32,6 +34,27 @@ def test_training_prompts_share_no_8gram_with_evaluation_texts():
     assert not set(P.TRAIN_PROMPTS) & set(P.HELDOUT_PROMPTS)
     held = set().union(*(ngrams(p) for p in P.HELDOUT_PROMPTS))
     assert not any(ngrams(p) & held for p in P.TRAIN_PROMPTS)  # held-out prompts are not near-copies
+
+
+def test_generated_prompts_share_no_8gram_with_evaluation_texts_or_heldout_prompts():
+    """Checked here from the n-grams themselves, not through the generator's own filter."""
+    banned = set().union(*(ngrams(t) for t in [*evaluation_texts(), *P.HELDOUT_PROMPTS]))
+    got = generate_prompts()
+    assert len(got) >= 5000 and len(set(got)) == len(got)
+    assert {p.category for p in got} == set(CATEGORIES)
+    for p in got:
+        assert not ngrams("\n".join(p.turns)) & banned, p
+        assert len(p.turns) % 2 == 1 and (len(p.turns) > 1) == (p.category == "multi-turn")
+    assert not {t for p in got for t in p.turns} & set(P.HELDOUT_PROMPTS)
+
+
+def test_generated_prompts_are_seeded_and_filtered_by_forbidden():
+    first = generate_prompts(300, seed=1)
+    assert first == generate_prompts(300, seed=1) and first != generate_prompts(300, seed=2)
+    leak = first[5]
+    filtered = generate_prompts(300, seed=1, forbidden=Forbidden(["\n".join(leak.turns)]))
+    assert leak not in filtered and len(filtered) == 300
+    assert all(isinstance(p, TrainPrompt) for p in filtered)
 
 
 def test_corpus_chunks_share_no_8gram_with_evaluation_texts():
@@ -84,9 +107,8 @@ def test_heldout_bench_file_is_the_heldout_prompts():
 
 
 def test_training_prompts_are_framed_as_the_runtime_shows_them():
-    """With no chat template, a training prompt is tokenized in BASE_PROMPT's framing (not raw)."""
-    from edgespec.train.features import _chat_tokens
-
+    """With no chat template, a training prompt is tokenized in BASE_PROMPT's framing (not raw), one
+    BASE_PROMPT per user turn of a conversation."""
     class NoTemplate:
         bos_id = None
 
@@ -96,4 +118,8 @@ def test_training_prompts_are_framed_as_the_runtime_shows_them():
         def tokenize(self, text, *a, **k):
             return [ord(c) for c in text]
 
-    assert _chat_tokens(NoTemplate(), "Why?") == [ord(c) for c in "Question: Why?\nAnswer:"]
+    assert chat_tokens(NoTemplate(), "Why?") == [ord(c) for c in "Question: Why?\nAnswer:"]
+    turns = ("Why?", "Because.", "How?")
+    assert chat_tokens(NoTemplate(), turns) == [ord(c) for c in "Question: Why?\nAnswer: Because.\nQuestion: How?\nAnswer:"]
+    with pytest.raises(ValueError, match="got 2"):
+        chat_tokens(NoTemplate(), ("Why?", "Because."))

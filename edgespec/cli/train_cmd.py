@@ -34,6 +34,15 @@ def train_head(
     prompts: Annotated[int, typer.Option("--prompts", help="Training prompts whose greedy generations "
                                                            "are used (−1: all).")] = -1,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")] = 192,
+    gen_prompts: Annotated[int, typer.Option("--gen-prompts", help="Generated prompts (chat, code, editing, "
+                                                                   "summarising, JSON, stories, multi-turn) "
+                                                                   "whose replies are self-distilled in "
+                                                                   "batches (0: none).")] = 0,
+    n_seq: Annotated[int, typer.Option("--n-seq", help="Replies generated at once (one llama.cpp decode per "
+                                                       "step for all).")] = 8,
+    greedy_share: Annotated[float, typer.Option("--greedy-share", help="Share of generated replies that are "
+                                                                       "greedy (the rest sampled at T "
+                                                                       "0.7–1.0).")] = 0.5,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
     lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall to 0 at "
@@ -82,6 +91,9 @@ def train_head(
                             f"(got {warmup_steps}, {eval_every}; --max-steps {max_steps})")
     if budget_min <= 0 and not max_steps:
         raise EdgespecError(f"--budget-min {budget_min:g} (no time limit) needs --max-steps")
+    if gen_prompts < 0 or n_seq < 1 or not 0.0 <= greedy_share <= 1.0:
+        raise EdgespecError(f"need --gen-prompts ≥ 0, --n-seq ≥ 1 and --greedy-share in [0, 1] (got {gen_prompts}, "
+                            f"{n_seq}, {greedy_share:g})")
     if weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
     try:
@@ -104,6 +116,7 @@ def train_head(
                   n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
                   threads=threads or None, work_dir=work_dir, block_size=block_size, dflash_layers=dflash_layers,
                   base=base, markov_rank=markov_rank, lr_decay=lr_decay, device=resolved.type,
+                  gen_prompts=gen_prompts, n_seq=n_seq, greedy_share=greedy_share,
                   train=TrainConfig(ttt_steps=ttt_steps, lr=lr, eval_every=eval_every, warmup_steps=warmup_steps,
                                     decay_shape=decay_shape))
     with _TrainProgress() as bar:

@@ -12,12 +12,18 @@ One file per sequence, ``seq_NNNNN.npz``, written atomically (temp file + rename
 * ``top_ids`` int32 (L, K), ``top_lp`` float16 (L, K): the target's K most likely next tokens at
   each position and their log-probabilities under the full softmax (temperature 1). K = 32 keeps
   ≥ 0.9 of the probability mass on most rows of a small model and costs 192 bytes a row instead of
-  V·4; the mass outside the top K is dropped (the loss renormalises over what is kept).
+  V·4; the mass outside the top K is dropped (the loss renormalises over what is kept);
+* ``source`` str (``corpus``, ``prompt`` or a generated sequence's, e.g. ``gen:code``) and
+  ``temperature`` float64 (what the reply was sampled at; 0 for greedy replies and corpus text).
 
 ``meta.json`` records the target, its layers and the sequence plan; a rerun with the same plan
 skips the files already written, so an interrupted extraction resumes where it stopped.
+``manifest.jsonl`` holds one line per written file (file, tokens, n_prompt, source, temperature),
+appended as files are written and completed from the files when lines are missing, so token
+counts and the data mix are known without opening every file (``FeatureCache.manifest``).
 Sequences are corpus chunks (``data.local_corpus``) cut into windows of ``seq_len`` tokens, and
-optionally the target's own greedy continuations of ``prompts.TRAIN_PROMPTS``, which are
+the target's own replies: greedy continuations of ``prompts.TRAIN_PROMPTS`` made here one at a
+time, or finished sequences made beforehand in batches (``generate.self_distill``), which are
 self-distillation data in the strict sense. A prompt is framed the way the runtime will show it: in
 the model's chat template, or for a base model without one in ``BASE_PROMPT``, the framing of the
 bench tasks' ``prompt`` field (``edgespec bench`` feeds a template-less target that text). A head
@@ -27,12 +33,13 @@ RESULTS.md, the Gemma-3 heads).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +47,7 @@ import numpy.typing as npt
 from edgespec.train.data import draft_vocab
 
 BASE_PROMPT = "Question: {}\nAnswer:"  # a training prompt, for a target without a chat template
+MANIFEST = "manifest.jsonl"
 
 
 @dataclass(frozen=True)
@@ -82,18 +90,40 @@ def _windows(tokens: list[int], seq_len: int, min_len: int = 32) -> Iterator[lis
             yield w
 
 
-def _chat_tokens(backend: Any, prompt: str) -> list[int]:
-    """The prompt as a one-turn chat with the target's template (``BASE_PROMPT`` if it has none)."""
+def chat_tokens(backend: Any, prompt: str | Sequence[str]) -> list[int]:
+    """A prompt as the runtime shows it: a chat in the target's template (``BASE_PROMPT`` turns if it
+    has none), ready for the assistant's reply.
+
+    Args:
+        backend: the target (tokenize, metadata, vocab_fingerprint, bos_id, eos_id).
+        prompt: one user message, or the turns of a conversation (user, assistant, ..., user).
+    """
     from edgespec.chat import render_chat
 
+    turns = [prompt] if isinstance(prompt, str) else list(prompt)
+    if len(turns) % 2 == 0:
+        raise ValueError(f"a prompt's turns must alternate user/assistant and end with the user (got {len(turns)})")
     template = backend.metadata("tokenizer.chat_template")
     if not template:
-        return backend.tokenize(BASE_PROMPT.format(prompt))
+        said = "".join(BASE_PROMPT.format(u) + f" {a}\n" for u, a in zip(turns[:-1:2], turns[1::2]))
+        return backend.tokenize(said + BASE_PROMPT.format(turns[-1]))
     text_of = backend.vocab_fingerprint().token_text
     bos = text_of(backend.bos_id) if backend.bos_id is not None else ""
     eos = text_of(backend.eos_id) if backend.eos_id is not None else ""
-    text = render_chat(template, [{"role": "user", "content": prompt}], bos_token=bos, eos_token=eos)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    text = render_chat(template, messages, bos_token=bos, eos_token=eos)
     return backend.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+
+class Generated(NamedTuple):
+    """A finished self-distilled sequence (``generate.self_distill``): the rendered prompt's ids, the
+    reply's ids (no end-of-generation token), the temperature it was sampled at (0: greedy) and its
+    source (e.g. ``gen:code``)."""
+
+    prompt: list[int]
+    reply: list[int]
+    temperature: float
+    source: str
 
 
 class FeatureCache:
@@ -109,6 +139,12 @@ class FeatureCache:
     def files(self) -> list[Path]:
         return sorted(self.root.glob("seq_*.npz"))
 
+    def manifest(self) -> list[dict[str, Any]]:
+        """Per sequence file, in file order: ``file``, ``tokens``, ``n_prompt``, ``source`` and
+        ``temperature``, read from ``manifest.jsonl`` (entries it lacks are added from the files)."""
+        entries = _sync_manifest(self.root, self.files())
+        return [entries[f.name] for f in self.files()]
+
     @staticmethod
     def load_file(path: Path) -> dict[str, npt.NDArray[Any]]:
         """One sequence's arrays (tokens, feats (float32, scale applied), top_ids, top_lp, n_prompt)."""
@@ -118,6 +154,15 @@ class FeatureCache:
         out["feats"] = out["feats"].astype(np.float32) * (1.0 if scale is None else scale[:, None])
         out.setdefault("n_prompt", np.int32(0))  # caches written before it was recorded: all text
         return out
+
+    @staticmethod
+    def describe(path: Path) -> dict[str, Any]:
+        """A sequence file's manifest entry, read from the file (without its feature arrays)."""
+        with np.load(path) as z:
+            n_prompt = int(z["n_prompt"]) if "n_prompt" in z.files else 0
+            source = str(z["source"]) if "source" in z.files else ("prompt" if n_prompt else "corpus")
+            temperature = float(z["temperature"]) if "temperature" in z.files else 0.0
+            return _entry(path.name, len(z["tokens"]), n_prompt, source, temperature)
 
     def token_counts(self, n_vocab: int) -> npt.NDArray[np.int64]:
         """How often each target id occurs among the cached tokens and top-1 labels."""
@@ -133,6 +178,38 @@ class FeatureCache:
         return draft_vocab(self.token_counts(n_vocab), size, always)
 
 
+def _entry(name: str, tokens: int, n_prompt: int, source: str, temperature: float) -> dict[str, Any]:
+    return {"file": name, "tokens": tokens, "n_prompt": n_prompt, "source": source, "temperature": temperature}
+
+
+def _append_manifest(root: Path, entries: Sequence[dict[str, Any]]) -> None:
+    with (root / MANIFEST).open("a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+
+
+def _sync_manifest(root: Path, files: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """The manifest's entries by file name (a later line for a file wins; a line cut by a crash is
+    skipped); entries of ``files`` it lacks are read from the files and appended."""
+    entries: dict[str, dict[str, Any]] = {}
+    path = root / MANIFEST
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        entries[e["file"]] = e
+    missing = [FeatureCache.describe(f) for f in files if f.name not in entries]
+    if missing:
+        _append_manifest(root, missing)
+        entries |= {e["file"]: e for e in missing}
+    return entries
+
+
+def _digest(value: Any) -> str:
+    """A short fingerprint of a JSON-serialisable value."""
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+
 def _save(path: Path, **arrays: Any) -> None:
     """Write one sequence file atomically (temp file + rename)."""
     tmp = path.with_suffix(".tmp.npz")
@@ -142,21 +219,23 @@ def _save(path: Path, **arrays: Any) -> None:
 
 def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence[str],
                 prompts: Sequence[str] = (), progress: Callable[[int, int], None] | None = None,
-                generator: Any = None) -> FeatureCache:
-    """Fill ``root`` with the features and soft labels of ``texts`` (cut into ``plan.seq_len``-token
-    windows) and of the target's greedy continuations of ``prompts``; resumes a partial cache.
+                generator: Any = None, generated: Sequence[Generated] = ()) -> FeatureCache:
+    """Fill ``root`` with the features and soft labels of the target's greedy continuations of
+    ``prompts``, of the ``generated`` sequences and of ``texts`` (cut into ``plan.seq_len``-token
+    windows), in that order; resumes a partial cache (files already written are skipped).
 
     Args:
         backend: a ``LlamaFeatureBackend`` on the target (its context must hold
-            ``seq_len`` and ``prompt + gen_tokens`` tokens).
+            ``seq_len`` and ``prompt + gen_tokens`` tokens, and every generated sequence).
         root: cache directory (created).
         plan: the cache's identity; a directory holding another plan is refused.
         texts: corpus chunks.
-        prompts: training prompts for self-distilled generations.
+        prompts: training prompts for greedy generations made here, one at a time.
         progress: called as ``progress(done, total)`` after each sequence.
-        generator: a plain backend of the same target for the greedy generations (a capturing
-            backend pays for its capture on every one-token step); the finished sequence is then
-            evaluated once on ``backend``. Default: ``backend`` itself.
+        generator: a plain backend of the same target for the greedy generations of ``prompts`` (a
+            capturing backend pays for its capture on every one-token step); the finished sequence is
+            then evaluated once on ``backend``. Default: ``backend`` itself.
+        generated: finished sequences (``generate.self_distill``), each evaluated once on ``backend``.
 
     Returns:
         The cache.
@@ -167,18 +246,23 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
     want = asdict(plan) | {"layers": list(backend.feature_layers), "n_embd": backend.n_embd}
     if prompts and not backend.metadata("tokenizer.chat_template"):
         want["base_prompt"] = BASE_PROMPT  # caches of raw prompts (before it) are refused
+    if generated:  # absent otherwise: caches from before them keep their plan
+        want["n_generated"] = len(generated)
+        # not the replies: float rounding may change them between machines, the prompts and mix stay
+        want["generated_prompts"] = _digest([(g.prompt, g.temperature, g.source) for g in generated])
     if meta_path.exists():
         have = json.loads(meta_path.read_text())
         if have != want:
-            diff = sorted(k for k in want if have.get(k) != want[k])
+            diff = sorted(k for k in want.keys() | have.keys() if have.get(k) != want.get(k))
             raise ValueError(f"{root} holds a feature cache of another plan (differs in {', '.join(diff)}); "
                              "use another directory or delete it")
     else:
         meta_path.write_text(json.dumps(want, indent=1))
-    jobs: list[tuple[str, Any]] = [("prompt", p) for p in prompts]
+    jobs: list[tuple[str, Any]] = [("prompt", p) for p in prompts] + [("generated", g) for g in generated]
     for text in texts:
         jobs += [("tokens", w) for w in _windows(backend.tokenize(text), plan.seq_len)]
     cache = FeatureCache(root)
+    _sync_manifest(root, cache.files())
     for i, (kind, item) in enumerate(jobs):
         out = root / f"seq_{i:05d}.npz"
         if out.exists() and kind == "prompt":
@@ -186,32 +270,40 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
                 missing = "n_prompt" not in z.files
                 arrays = {k: z[k] for k in z.files} if missing else {}
             if missing:  # written before n_prompt was recorded: add it (tokenizing only)
-                _save(out, **arrays, n_prompt=np.int32(len(_chat_tokens(backend, item))))
+                _save(out, **arrays, n_prompt=np.int32(len(chat_tokens(backend, item))))
+                _append_manifest(root, [FeatureCache.describe(out)])
         if not out.exists():
+            tokens, n_prompt, source, temperature = _sequence(backend, generator, plan, kind, item)
             backend.truncate(0)
-            if kind == "tokens":
-                tokens, n_prompt = list(item), 0
-                logits = backend.eval(tokens, rows="all")  # (L, V)
-            else:
-                tokens = _chat_tokens(backend, item)
-                n_prompt = len(tokens)
-                gen = generator or backend
-                gen.truncate(0)
-                row = gen.eval(tokens, rows="last")[-1]
-                for _ in range(plan.gen_tokens):
-                    nxt = int(np.argmax(row))
-                    if gen.is_eog(nxt) or len(tokens) >= plan.seq_len:
-                        break
-                    tokens.append(nxt)
-                    row = gen.eval([nxt], rows="last")[-1]
-                gen.truncate(0)
-                backend.truncate(0)
-                logits = backend.eval(tokens, rows="all")  # features and labels of the whole sequence
+            logits = backend.eval(tokens, rows="all")  # (L, V): features and labels of the whole sequence
             feats, scale = pack_features(backend.features(0, len(tokens)))
             ids, lp = top_k_logprobs(logits, plan.top_k)
             _save(out, tokens=np.asarray(tokens, np.int32), feats=feats, feat_scale=scale, top_ids=ids, top_lp=lp,
-                  n_prompt=np.int32(n_prompt))
+                  n_prompt=np.int32(n_prompt), source=np.str_(source), temperature=np.float64(temperature))
+            _append_manifest(root, [_entry(out.name, len(tokens), n_prompt, source, temperature)])
         if progress:
             progress(i + 1, len(jobs))
     backend.truncate(0)
     return cache
+
+
+def _sequence(backend: Any, generator: Any, plan: CachePlan, kind: str,
+              item: Any) -> tuple[list[int], int, str, float]:
+    """One job's tokens, prompt length, source and temperature; a ``prompt`` job is generated here."""
+    if kind == "tokens":
+        return list(item), 0, "corpus", 0.0
+    if kind == "generated":
+        return [*item.prompt, *item.reply], len(item.prompt), item.source, float(item.temperature)
+    tokens = chat_tokens(backend, item)
+    n_prompt = len(tokens)
+    gen = generator or backend
+    gen.truncate(0)
+    row = gen.eval(tokens, rows="last")[-1]
+    for _ in range(plan.gen_tokens):
+        nxt = int(np.argmax(row))
+        if gen.is_eog(nxt) or len(tokens) >= plan.seq_len:
+            break
+        tokens.append(nxt)
+        row = gen.eval([nxt], rows="last")[-1]
+    gen.truncate(0)
+    return tokens, n_prompt, "prompt", 0.0

@@ -33,7 +33,7 @@ from edgespec.train.curve import plot_curve
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
-from edgespec.train.features import CachePlan, FeatureCache, build_cache
+from edgespec.train.features import CachePlan, FeatureCache, Generated, build_cache
 from edgespec.train.model import TorchEagle3, TrainableHead
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors, resolve_device
 
@@ -68,6 +68,9 @@ class HeadJob:
     markov_rank: int = 32  # dspark: R
     lr_decay: bool = False  # the learning rate falls to 0 at max_steps (train.decay_shape: linear or cosine)
     device: str = "auto"  # torch device: auto, cpu, cuda or mps (trainer.resolve_device)
+    gen_prompts: int = 0  # generated prompts (prompt_gen) whose replies are self-distilled in batches
+    n_seq: int = 8  # sequences per batched decode of those replies (generate.BatchGenerator)
+    greedy_share: float = 0.5  # share of them answered greedily (the rest at T in 0.7–1.0)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -99,6 +102,32 @@ def mask_token(path: Path, n_vocab: int) -> int:
         if v is not None and 0 <= int(v) < n_vocab:
             return int(v)
     return n_vocab - 1
+
+
+def self_distilled(job: HeadJob, work: Path, progress: Callable[[str, int, int], None] | None = None) -> list[Generated]:
+    """The target's replies to ``job.gen_prompts`` generated prompts, ``job.n_seq`` at a time
+    (``generate.self_distill``), kept in ``work``/generated.jsonl so that a rerun resumes them."""
+    if not job.gen_prompts:
+        return []
+    from edgespec.train.generate import BatchGenerator, chat_prompts, self_distill
+    from edgespec.train.prompt_gen import generate_prompts
+
+    with BatchGenerator(job.target, n_seq=job.n_seq, seq_ctx=-(-job.seq_len // 256) * 256, threads=job.threads) as bg:
+        prompts, sources = chat_prompts(bg, generate_prompts(job.gen_prompts, seed=job.seed))
+        return self_distill(bg, prompts, sources, max_new=job.gen_tokens, max_len=job.seq_len, seed=job.seed,
+                            greedy_share=job.greedy_share, out=work / "generated.jsonl",
+                            progress=(lambda d, t: progress("self-distilled replies", d, t)) if progress else None)
+
+
+def data_mix(cache: FeatureCache) -> str:
+    """"; by source: n sequences / tokens (greedy share)" from the cache's manifest, or "" when it holds
+    no batched self-distilled replies (their sources start with gen:)."""
+    by: dict[str, list[int]] = {}
+    for e in cache.manifest():
+        if str(e.get("source", "")).startswith("gen:"):
+            c = by.setdefault(e["source"], [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + int(e["tokens"]), c[2] + (float(e["temperature"]) == 0.0)
+    return "".join(f"; {k}: {n} seqs / {t} tokens ({g / n:.0%} greedy)" for k, (n, t, g) in sorted(by.items()))
 
 
 def feature_rms(files: Sequence[Path], n_files: int = 64) -> np.ndarray:
@@ -179,9 +208,10 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
                          gen_tokens=job.gen_tokens, seed=job.seed)
         note(f"features of {job.target.name} (layers {list(backend.feature_layers)}) → {work}")
         texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
+        seqs = self_distilled(job, work, progress)
         cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
                             progress=(lambda d, t: progress("train data", d, t)) if progress else None,
-                            generator=generator)
+                            generator=generator, generated=seqs)
         held_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                               corpus_chars=0, n_prompts=len(P.HELDOUT_PROMPTS), gen_tokens=job.gen_tokens)
         held = build_cache(backend, work / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
@@ -233,7 +263,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
                   "edgespec.head.train_tokens": str(trainer.tokens), "edgespec.head.train_device": device.type,
                   "edgespec.head.data": f"{len(cache.files())} sequences: stdlib + /usr/share/doc text "
                                         f"({job.corpus_chars} chars) and greedy generations on "
-                                        f"{job.n_prompts} training prompts",
+                                        f"{job.n_prompts} training prompts" + data_mix(cache),
                   "edgespec.head.heldout_acceptance": ",".join(f"{a:.3f}" for a in (end or {}).get("acceptance", []))}
     if job.kind == "dspark":
         provenance["edgespec.head.base"] = Path(job.base or "").name
