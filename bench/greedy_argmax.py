@@ -1,13 +1,13 @@
-"""Greedy verification with the argmax on the host (eval rows="all" + verify_greedy, as before #23's
-third pass) against the argmax in llama.cpp's graph (Backend.eval_argmax + accept_greedy), paired.
+"""Greedy verification with the rows handed over (eval rows="all": llama.cpp's buffer copied into a
+new array, then verify_greedy) against Backend.eval_argmax (the argmax read in llama.cpp's own
+output buffer, no copy; then accept_greedy over the γ+1 ids), paired.
 
     .venv/bin/python bench/greedy_argmax.py --repeats 41 --out bench/results/host/greedy-argmax.md
 
 Per model and γ: the wall time of one verification forward of γ+1 tokens after a 96-token context,
 all drafts accepted (the longest cycle), the two ways alternated; and the host's share of it (the
-time after the forward returns: verify_greedy over the copied rows, or accept_greedy over γ+1 ids).
-The forward itself also changes: with the backend sampler llama.cpp copies no logit rows out (the
-host copy and our own .copy() of them are gone) and runs γ+1 argmax nodes in its graph instead.
+time after the forward returns: verify_greedy over the copied rows, or accept_greedy over the ids;
+with eval_argmax the argmax itself is inside the call, so compare the totals).
 """
 
 from __future__ import annotations

@@ -61,9 +61,9 @@ class Backend(Protocol):
 
     def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         """Append `tokens` like `eval(tokens, rows="all")` and return each row's argmax: the greedy
-        next token after each, (len(tokens),). The argmax is taken where the logits are (llama.cpp:
-        its greedy backend sampler; MLX: on the device), so greedy decoding copies no logit rows to
-        the host. Raises ContextOverflowError as `eval` does."""
+        next token after each, (len(tokens),), without handing the rows over (llama.cpp: read in
+        its own output buffer, not copied; MLX: taken on the device, only the ids cross). Raises
+        ContextOverflowError as `eval` does."""
         ...
 
     def truncate(self, n_past: int) -> None:

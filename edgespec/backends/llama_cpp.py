@@ -114,9 +114,6 @@ class LlamaHandles(Closing):
         if self._ctx:
             ll.llama_free(self._ctx)
             self._ctx = None
-        if self.__dict__.get("_greedy"):  # a backend sampler chain: freed after the context using it
-            ll.llama_sampler_free(self._greedy)
-            self._greedy = None
         if self._model:
             ll.llama_model_free(self._model)
             self._model = None
@@ -220,7 +217,6 @@ class LlamaCppBackend(_VocabCalls):
         cp.n_seq_max = 1
         cp.swa_full = True  # sliding-window caches (Gemma 3) must keep what rollback may return to
         cp.no_perf = True
-        cp.n_outputs_max_per_seq = n_batch  # the greedy backend sampler takes every row of a decode
         self._configure_context(cp)
         for kv in ("q8_0", "f16") if kv_type == "auto" else (kv_type,):
             # Q8_0 needs head sizes divisible by its 32-value blocks; "auto" falls back to F16
@@ -242,9 +238,6 @@ class LlamaCppBackend(_VocabCalls):
         self._ckpt = StateCheckpoint()  # state: bytes of self._state_buf in use
         self._state_buf = np.empty(0, np.uint8)  # reused: a checkpoint's size is fixed once n_past > 0
         self._state_ptr: Any = None
-        self._greedy: Any = None  # llama.cpp's greedy sampler chain while attached (eval_argmax)
-        self._greedy_on = False  # attached to sequence 0
-        self._greedy_ok = True  # False once this build refused to offload it
 
     def _configure_context(self, cp: Any) -> None:
         """Hook for subclasses: adjust llama_context_params after the model is loaded and before the
@@ -259,8 +252,6 @@ class LlamaCppBackend(_VocabCalls):
     def eval(self, tokens: Sequence[int], rows: LogitRows = "last") -> npt.NDArray[np.float32]:
         n = len(tokens)
         check_room(self._n_past, n, self.n_ctx)
-        if rows != "none":
-            self._set_greedy(False)  # the logit rows must come to the host
         out = []
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
@@ -273,41 +264,18 @@ class LlamaCppBackend(_VocabCalls):
         return join_rows(out, self.n_vocab)
 
     def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
-        if not self._set_greedy(True):  # this build cannot take the argmax in its graph: on the host
-            return np.argmax(self.eval(tokens, rows="all"), axis=1)
         n = len(tokens)
         check_room(self._n_past, n, self.n_ctx)
         out = np.empty(n, np.int64)
-        sampled = self._ll.llama_get_sampled_token_ith
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             self._decode(chunk, [True] * len(chunk))
-            for i in range(len(chunk)):
-                out[start + i] = sampled(self._ctx, i)
-        if n and out.min() < 0:
-            raise BackendError(f"llama.cpp's greedy backend sampler returned no token for {int((out < 0).sum())} "
-                               f"of {n} rows")
+            # read in llama.cpp's own output buffer (valid until the next decode): no copy of the rows.
+            # llama.cpp's greedy backend sampler (argmax in the graph) was measured 8-12% slower per
+            # forward on this CPU (bench/results/host/greedy-argmax.md), so it is not used
+            rows = np.ctypeslib.as_array(self._ll.llama_get_logits(self._ctx), shape=(len(chunk), self.n_vocab))
+            out[start:start + len(chunk)] = rows.argmax(axis=1)
         return out
-
-    def _set_greedy(self, on: bool) -> bool:
-        """Attach (detach) llama.cpp's greedy backend sampler to sequence 0: while it is attached, a
-        decode takes each output row's argmax in its own graph and copies no logits to the host.
-        Switching makes the next decode re-plan its graph, so it happens only when the mode changes
-        (greedy generations use eval_argmax, sampled ones eval). False where this build cannot
-        offload the sampler (then it is not asked again)."""
-        if on == self._greedy_on or (on and not self._greedy_ok):
-            return self._greedy_on
-        ll = self._ll
-        if on:  # a fresh chain each time: llama.cpp initialises a chain for its backend only once
-            self._greedy = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-            ll.llama_sampler_chain_add(self._greedy, ll.llama_sampler_init_greedy())
-        ok = bool(ll.llama_set_sampler(self._ctx, 0, self._greedy if on else None))
-        if not (on and ok):  # detached (or refused): no context refers to the chain any more
-            ll.llama_sampler_free(self._greedy)
-            self._greedy = None
-        self._greedy_on = on and ok
-        self._greedy_ok = self._greedy_ok and (ok or not on)
-        return self._greedy_on
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         b = self._batch
