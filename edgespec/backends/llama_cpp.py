@@ -168,6 +168,29 @@ class _VocabCalls(LlamaHandles):
         return model_metadata(self._ll, self._model, key)
 
 
+class _LogitRows:
+    """Numpy views of llama.cpp's logits buffer (valid until the next decode), kept per (address,
+    rows): after a forward, the Python that builds a new view runs from cold caches (np.ctypeslib
+    .as_array: ~70 µs a step on this CPU, against ~1 µs for a kept one). llama_get_logits is asked
+    every time, so a buffer llama.cpp reallocated is never read through a stale view."""
+
+    def __init__(self, ll: Any, ctx: Any, n_vocab: int) -> None:
+        self._get = ll.llama_cpp._lib["llama_get_logits"]  # a function object of our own: restype an int
+        self._get.argtypes, self._get.restype = [ctypes.c_void_p], ctypes.c_void_p
+        self._ctx, self._n_vocab, self._views = ctx, n_vocab, {}
+
+    def __call__(self, k: int) -> npt.NDArray[np.float32]:
+        """The k output rows of the last decode, (k, n_vocab), in place."""
+        key = (self._get(self._ctx), k)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            buf = (ctypes.c_float * (k * self._n_vocab)).from_address(key[0])
+            view = self._views[key] = np.frombuffer(buf, np.float32).reshape(k, self._n_vocab)
+        return view
+
+
 class LlamaCppBackend(_VocabCalls):
     """A GGUF model on llama.cpp.
 
@@ -231,6 +254,7 @@ class LlamaCppBackend(_VocabCalls):
                                  f"{load_failure_reason(p)}")
         self._init_vocab()
         self._mem = ll.llama_get_memory(self._ctx)
+        self._logit_rows = _LogitRows(ll, self._ctx, self.n_vocab)
         self._batch, self._free_batch = ll.llama_batch_init(n_batch, 0, 1), ll.llama_batch_free
         self.n_batch, self.threads = n_batch, threads
         self.n_ctx = ll.llama_n_ctx(self._ctx)
@@ -259,8 +283,7 @@ class LlamaCppBackend(_VocabCalls):
             self._decode(chunk, want)
             k = sum(want)
             if k:
-                ptr = self._ll.llama_get_logits(self._ctx)  # rows for the outputs, in batch order
-                out.append(np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab)).copy())
+                out.append(self._logit_rows(k).copy())  # rows for the outputs, in batch order
         return join_rows(out, self.n_vocab)
 
     def eval_argmax(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
@@ -270,11 +293,10 @@ class LlamaCppBackend(_VocabCalls):
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             self._decode(chunk, [True] * len(chunk))
-            # read in llama.cpp's own output buffer (valid until the next decode): no copy of the rows.
-            # llama.cpp's greedy backend sampler (argmax in the graph) was measured 8-12% slower per
-            # forward on this CPU (bench/results/host/greedy-argmax.md), so it is not used
-            rows = np.ctypeslib.as_array(self._ll.llama_get_logits(self._ctx), shape=(len(chunk), self.n_vocab))
-            out[start:start + len(chunk)] = rows.argmax(axis=1)
+            # read in llama.cpp's own output buffer: no copy of the rows. llama.cpp's greedy backend
+            # sampler (argmax in the graph) measured 8-12% slower per forward on this CPU
+            # (bench/results/host/greedy-argmax-backend-sampler.md), so it is not used
+            out[start:start + len(chunk)] = self._logit_rows(len(chunk)).argmax(axis=1)
         return out
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
