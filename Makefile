@@ -12,10 +12,11 @@ $(BIN)/python:
 
 # The first install builds llama-cpp-python from source (about 10 minutes on 2 cores);
 # pip's wheel cache makes later installs fast. The mlx extra is mlx[cpu] on Linux (the MLX tests run
-# on CPU there), the Metal build on macOS. The train extra (torch, pinned) runs the head-training tests.
+# on CPU there), the Metal build on macOS. The train extra (torch, pinned) runs the head-training tests;
+# plot (matplotlib) the learning-curve PNG test.
 $(STAMP): pyproject.toml | $(BIN)/python
-	@echo "installing edgespec[llama,dev,mlx,train,serve] (first time: builds llama-cpp-python, ~10 min)"
-	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train,serve]"
+	@echo "installing edgespec[llama,dev,mlx,train,serve,plot] (first time: builds llama-cpp-python, ~10 min)"
+	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train,serve,plot]"
 	@touch $(STAMP)
 
 install: $(STAMP)
