@@ -58,7 +58,7 @@ def main() -> None:
                     / "models")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    lines = ["| model | γ | forward + verify, host argmax | backend argmax | ratio | host's share: verify_greedy "
+    lines = ["| model | γ | eval rows=all + verify_greedy | eval_argmax + accept_greedy | ratio | host after the forward: verify_greedy "
              "| accept_greedy |", "|---|---|---|---|---|---|---|"]
     for name, file in MODELS.items():
         path = args.models / file
