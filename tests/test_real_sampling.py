@@ -125,7 +125,7 @@ def test_the_chi_square_catches_a_biased_verifier(ngram_engine, plain_counts, mo
         rows.append(p := process(logits[len(draft)], params))
         return len(draft), sample(p, rng)
 
-    monkeypatch.setattr(edgespec.engine, "verify", biased)
+    monkeypatch.setattr(edgespec.engine, "verify_stochastic", biased)  # the engine's T > 0 verification
     spec, _ = run_many(ngram_engine, range(200))
     p, cells = homogeneity_p(spec, plain_counts)
     print(f"biased verifier: chi-square p = {p:.2e} over {cells} cells")
