@@ -331,7 +331,7 @@ class Engine:
         if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
             self.target.checkpoint()
         rows: list[Dist] | None = [] if sched is not None and not params.greedy else None
-        if params.greedy:  # the target's argmax of each row: no logit rows reach the host
+        if params.greedy:  # the target's argmax of each row: no logit rows are handed over
             ids = self._verify_pass([pending, *x], greedy=True)
             t2 = time.perf_counter()
             n, token = accept_greedy(ids, x)
