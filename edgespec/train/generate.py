@@ -124,7 +124,7 @@ class BatchGenerator(LlamaCppBackend):
             slots[s] = yield from self._fill(s, job)
         while any(slots):
             live = [(s, slot) for s, slot in enumerate(slots) if slot is not None]
-            rows = self._decode([(s, slot.reply[-1], len(slot.prompt) + len(slot.reply) - 1) for s, slot in live],
+            rows = self._decode_entries([(s, slot.reply[-1], len(slot.prompt) + len(slot.reply) - 1) for s, slot in live],
                                 [True] * len(live))  # (n_live, V)
             for (s, slot), row in zip(live, rows):
                 nxt = _choose(row, slot)
@@ -162,10 +162,10 @@ class BatchGenerator(LlamaCppBackend):
         entries = [(s, t, pos) for pos, t in enumerate(prompt)]
         for start in range(0, len(entries), self.n_batch):
             chunk = entries[start:start + self.n_batch]
-            rows = self._decode(chunk, [start + j == len(entries) - 1 for j in range(len(chunk))])
+            rows = self._decode_entries(chunk, [start + j == len(entries) - 1 for j in range(len(chunk))])
         return rows[-1]
 
-    def _decode(self, entries: Sequence[tuple[int, int, int]], want: Sequence[bool]) -> np.ndarray:
+    def _decode_entries(self, entries: Sequence[tuple[int, int, int]], want: Sequence[bool]) -> np.ndarray:
         """llama_decode of ``(seq id, token, position)`` entries; logits (k, V) of the wanted ones."""
         ll, b = self._lib, self._step_batch
         b.n_tokens = len(entries)
