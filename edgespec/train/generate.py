@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from edgespec.backends.deps import import_llama
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError, ContextOverflowError
 from edgespec.sampling import SamplingParams, process, sample
@@ -85,9 +84,7 @@ class BatchGenerator(LlamaCppBackend):
         if self.recurrent:
             self.close()
             raise BackendError(f"batched generation needs an attention-only target; {path} has recurrent layers")
-        self._lib = import_llama()
-        self._mem_of = self._lib.llama_get_memory(self.llama_context)
-        self._step_batch = self._lib.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        self._step_batch = self._ll.llama_batch_init(max(n_batch, n_seq), 0, 1)
 
     def _configure_context(self, cp: Any) -> None:
         cp.n_seq_max = self.n_seq
@@ -95,7 +92,7 @@ class BatchGenerator(LlamaCppBackend):
 
     def close(self) -> None:
         if self.__dict__.get("_step_batch") is not None:
-            self._lib.llama_batch_free(self._step_batch)
+            self._ll.llama_batch_free(self._step_batch)
             self._step_batch = None
         super().close()
 
@@ -138,7 +135,7 @@ class BatchGenerator(LlamaCppBackend):
     def _fill(self, s: int, job: _Job) -> Generator[tuple[int, list[int]], None, _Slot | None]:
         """Clear sequence ``s`` and start the next prompt in it; prompts that end at once are yielded.
         Returns the new slot (None when no prompt is left)."""
-        if not self._lib.llama_memory_seq_rm(self._mem_of, s, -1, -1):
+        if not self._ll.llama_memory_seq_rm(self._mem, s, -1, -1):
             raise BackendError(f"llama_memory_seq_rm could not clear sequence {s}")
         for i in job.todo:
             prompt = list(job.prompts[i])
@@ -167,7 +164,7 @@ class BatchGenerator(LlamaCppBackend):
 
     def _decode_entries(self, entries: Sequence[tuple[int, int, int]], want: Sequence[bool]) -> np.ndarray:
         """llama_decode of ``(seq id, token, position)`` entries; logits (k, V) of the wanted ones."""
-        ll, b = self._lib, self._step_batch
+        ll, b = self._ll, self._step_batch
         b.n_tokens = len(entries)
         for j, (s, tok, pos) in enumerate(entries):
             b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, pos, 1, want[j]
@@ -178,8 +175,7 @@ class BatchGenerator(LlamaCppBackend):
         k = sum(want)
         if not k:
             return np.empty((0, self.n_vocab), np.float32)
-        ptr = ll.llama_get_logits(self.llama_context)  # rows of the wanted tokens, in batch order
-        return np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab)).copy()
+        return self._logit_rows(k).copy()  # rows of the wanted tokens, in batch order
 
 
 def _choose(row: np.ndarray, slot: _Slot) -> int:
