@@ -90,7 +90,7 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
             "--seed", "1", "--draft-vocab", "300", "--weight-type", "q8_0", "--corpus-chars", "6000",
             "--prompts", "1", "--gen-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "w"),
             "--device", "cpu", "--eval-every", "1", "--warmup-steps", "1", "--lr-decay", "--decay-shape", "cosine",
-            "--gen-prompts", "6", "--n-seq", "4"]
+            "--gen-prompts", "6", "--n-seq", "4", "--heldout-gen", "2"]
     result = runner.invoke(cli.app, args)
     assert result.exit_code == 0, result.output
     curve = tmp_path / "w" / "curve-eagle3-v300-s1.csv"
@@ -110,7 +110,14 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     from edgespec.train.features import FeatureCache
 
     gen = [e for e in FeatureCache(tmp_path / "w" / "train").manifest() if e["source"].startswith("gen:")]
-    assert len(gen) == 6 and len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 6
+    assert len(gen) == 6 and len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 8
+    # --heldout-gen: the last 2 generated replies are evaluated (a cache of their own), never trained on
+    held_gen = FeatureCache(tmp_path / "w" / "heldout-gen").manifest()
+    assert len(held_gen) == 2 and all(e["source"].startswith("gen:") for e in held_gen)
+    train_seqs = {tuple(FeatureCache.load_file(f)["tokens"]) for f in FeatureCache(tmp_path / "w" / "train").files()}
+    assert not train_seqs & {tuple(FeatureCache.load_file(f)["tokens"])
+                             for f in FeatureCache(tmp_path / "w" / "heldout-gen").files()}
+    assert "  heldout: " in result.output and "  heldout-gen: " in result.output
     assert "gen:" in meta.value("edgespec.head.data") and "greedy)" in meta.value("edgespec.head.data")
     result = runner.invoke(cli.app, [*args[:8], "5", *args[9:], "--resume"])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from train_fixtures import LAYERS, build_caches  # noqa: E402
 
 from edgespec.errors import DeviceError  # noqa: E402
-from edgespec.train.curve import append_curve, plot_curve, read_curve, write_curve  # noqa: E402
+from edgespec.train.curve import append_curve, plot_curve, project, read_curve, write_curve  # noqa: E402
 from edgespec.train.dflash_model import DFLASH_DECAY  # noqa: E402
 from edgespec.train.model import TorchEagle3  # noqa: E402
 from edgespec.train.pipeline import HeadJob, build_head  # noqa: E402
@@ -162,6 +162,24 @@ def test_curve_png(tmp_path):
     write_curve(path, [{"step": s, "tokens": 100 * s, "tau": 1 + s / 10, "elapsed_s": s} for s in (0, 1, 2, 3)])
     assert plot_curve(path, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fit = project(read_curve(path), goal=1.5, skip=0)
+    assert fit is not None and plot_curve(path, tmp_path / "fit.png", fit)
+    assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_projection_of_a_log_linear_curve():
+    """τ = 1.1 + 0.1·ln(tokens) on the first pass: the fit recovers it and puts τ 2.5 at e^14; rows past
+    max_tokens (later epochs) and the first (skip) row do not count; a flat curve projects nothing."""
+    rows = [{"tokens": t, "tau": 1.1 + 0.1 * math.log(t)} for t in (1e3, 2e3, 4e3, 8e3, 16e3)]
+    rows.insert(0, {"tokens": 500, "tau": 1.0})  # the start: left out by skip=1
+    rows.append({"tokens": 64e3, "tau": 9.0})  # a later epoch: left out by max_tokens
+    fit = project(rows, goal=2.5, max_tokens=16e3)
+    assert fit is not None and fit.rows == 5
+    assert fit.a == pytest.approx(1.1) and fit.b == pytest.approx(0.1)
+    assert fit.goal_tokens == pytest.approx(math.exp(14.0), rel=1e-6)
+    flat = project([{"tokens": t, "tau": 1.3} for t in (1, 10, 100, 1000)], goal=2.5)
+    assert flat is not None and flat.goal_tokens is None
+    assert project(rows[:3], goal=2.5) is None  # fewer than 3 rows after the skip
 
 
 def _synthetic_trainer(root: Path, kind: str, device: str, **kw) -> Trainer:

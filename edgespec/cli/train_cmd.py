@@ -43,6 +43,9 @@ def train_head(
     greedy_share: Annotated[float, typer.Option("--greedy-share", help="Share of generated replies that are "
                                                                        "greedy (the rest sampled at T "
                                                                        "0.7–1.0).")] = 0.5,
+    heldout_gen: Annotated[int, typer.Option("--heldout-gen", help="More generated prompts whose replies are "
+                                                                   "held out: evaluated, never trained "
+                                                                   "on.")] = 0,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
     lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall to 0 at "
@@ -91,9 +94,9 @@ def train_head(
                             f"(got {warmup_steps}, {eval_every}; --max-steps {max_steps})")
     if budget_min <= 0 and not max_steps:
         raise EdgespecError(f"--budget-min {budget_min:g} (no time limit) needs --max-steps")
-    if gen_prompts < 0 or n_seq < 1 or not 0.0 <= greedy_share <= 1.0:
-        raise EdgespecError(f"need --gen-prompts ≥ 0, --n-seq ≥ 1 and --greedy-share in [0, 1] (got {gen_prompts}, "
-                            f"{n_seq}, {greedy_share:g})")
+    if gen_prompts < 0 or heldout_gen < 0 or n_seq < 1 or not 0.0 <= greedy_share <= 1.0:
+        raise EdgespecError(f"need --gen-prompts ≥ 0, --heldout-gen ≥ 0, --n-seq ≥ 1 and --greedy-share in [0, 1] "
+                            f"(got {gen_prompts}, {heldout_gen}, {n_seq}, {greedy_share:g})")
     if weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {weight_type!r})")
     try:
@@ -116,7 +119,7 @@ def train_head(
                   n_prompts=len(P.TRAIN_PROMPTS) if prompts < 0 else prompts, gen_tokens=gen_tokens,
                   threads=threads or None, work_dir=work_dir, block_size=block_size, dflash_layers=dflash_layers,
                   base=base, markov_rank=markov_rank, lr_decay=lr_decay, device=resolved.type,
-                  gen_prompts=gen_prompts, n_seq=n_seq, greedy_share=greedy_share,
+                  gen_prompts=gen_prompts, n_seq=n_seq, greedy_share=greedy_share, heldout_gen=heldout_gen,
                   train=TrainConfig(ttt_steps=ttt_steps, lr=lr, eval_every=eval_every, warmup_steps=warmup_steps,
                                     decay_shape=decay_shape))
     with _TrainProgress() as bar:
@@ -127,6 +130,14 @@ def train_head(
     ui.status(f"wrote {summary['out']} after {summary['steps']} steps ({summary['seconds']:.0f} s, "
               f"{summary['tokens']} tokens on {resolved.type}); held-out top-1 acceptance by position: "
               f"{acc}{tau}")
+    for name, ev in summary["by_set"].items():
+        ui.status(f"  {name}: " + " ".join(f"{a:.2f}" for a in ev["acceptance"]) + f" (τ ≈ {ev['tau']:.2f})")
+    fit = summary["projection"]
+    if fit is not None:
+        goal = (f"τ {fit.goal:g} at ≈ {fit.goal_tokens:.3g} training tokens" if fit.goal_tokens
+                else f"no rise towards τ {fit.goal:g}")
+        ui.status(f"learning curve over the first pass ({summary['data_tokens']} data tokens, {fit.rows} rows): "
+                  f"τ ≈ {fit.a:.2f} + {fit.b:.3f}·ln(tokens); {goal} (a log-linear extrapolation)")
 
 
 class _TrainProgress:

@@ -11,7 +11,10 @@ and ``heldout/`` feature caches, ``d2t-<V_d>.npy``, and per head kind and shape 
 kind. Rerunning resumes the extraction; ``resume`` continues training from the checkpoint: model,
 optimizer, step (hence learning rate and data position), tokens seen, curve and torch's RNG (the
 budget then counts the new run's seconds only).
-Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on.
+Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on, and,
+with ``heldout_gen`` > 0, the self-distilled replies to that many more generated prompts (drawn with
+the training ones, kept out of training: ``heldout-gen/``), so the curve is measured on more than the
+eight fixed prompts.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dflash_gguf import read_dflash_gguf
 from edgespec.train import prompts as P
-from edgespec.train.curve import plot_curve
+from edgespec.train.curve import plot_curve, project
 from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
@@ -71,6 +74,7 @@ class HeadJob:
     gen_prompts: int = 0  # generated prompts (prompt_gen) whose replies are self-distilled in batches
     n_seq: int = 8  # sequences per batched decode of those replies (generate.BatchGenerator)
     greedy_share: float = 0.5  # share of them answered greedily (the rest at T in 0.7–1.0)
+    heldout_gen: int = 0  # more generated prompts whose replies are held out (never trained on)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -105,15 +109,17 @@ def mask_token(path: Path, n_vocab: int) -> int:
 
 
 def self_distilled(job: HeadJob, work: Path, progress: Callable[[str, int, int], None] | None = None) -> list[Generated]:
-    """The target's replies to ``job.gen_prompts`` generated prompts, ``job.n_seq`` at a time
-    (``generate.self_distill``), kept in ``work``/generated.jsonl so that a rerun resumes them."""
-    if not job.gen_prompts:
+    """The target's replies to ``job.gen_prompts + job.heldout_gen`` generated prompts (the held-out ones
+    last), ``job.n_seq`` at a time (``generate.self_distill``), kept in ``work``/generated.jsonl so that a
+    rerun resumes them."""
+    n = job.gen_prompts + job.heldout_gen
+    if not n:
         return []
     from edgespec.train.generate import BatchGenerator, chat_prompts, self_distill
     from edgespec.train.prompt_gen import generate_prompts
 
     with BatchGenerator(job.target, n_seq=job.n_seq, seq_ctx=-(-job.seq_len // 256) * 256, threads=job.threads) as bg:
-        prompts, sources = chat_prompts(bg, generate_prompts(job.gen_prompts, seed=job.seed))
+        prompts, sources = chat_prompts(bg, generate_prompts(n, seed=job.seed))
         return self_distill(bg, prompts, sources, max_new=job.gen_tokens, max_len=job.seq_len, seed=job.seed,
                             greedy_share=job.greedy_share, out=work / "generated.jsonl",
                             progress=(lambda d, t: progress("self-distilled replies", d, t)) if progress else None)
@@ -209,14 +215,22 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         note(f"features of {job.target.name} (layers {list(backend.feature_layers)}) → {work}")
         texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
         seqs = self_distilled(job, work, progress)
+        kept = seqs[:job.gen_prompts]
         cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
                             progress=(lambda d, t: progress("train data", d, t)) if progress else None,
-                            generator=generator, generated=seqs)
+                            generator=generator, generated=kept)
         held_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                               corpus_chars=0, n_prompts=len(P.HELDOUT_PROMPTS), gen_tokens=job.gen_tokens)
         held = build_cache(backend, work / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
                            progress=(lambda d, t: progress("held-out data", d, t)) if progress else None,
                            generator=generator)
+        heldouts = {"heldout": held}
+        if job.heldout_gen:
+            gen_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
+                                 corpus_chars=0, gen_tokens=job.gen_tokens, seed=job.seed)
+            heldouts["heldout-gen"] = build_cache(
+                backend, work / "heldout-gen", gen_plan, [], generated=seqs[job.gen_prompts:],
+                progress=(lambda d, t: progress("held-out replies", d, t)) if progress else None)
         layers = backend.feature_layers
     finally:
         backend.close()
@@ -234,7 +248,8 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
             raise ValueError("a learning-rate decay needs --max-steps (it falls to 0 at the last step)")
         decay["decay_steps"] = job.max_steps
     train_cfg = TrainConfig(**{**job.train.__dict__, **decay, "seed": job.seed})
-    trainer = Trainer(model, cache.files(), held.files(), train_cfg, device=device)
+    val_files = [f for c in heldouts.values() for f in c.files()]
+    trainer = Trainer(model, cache.files(), val_files, train_cfg, device=device)
     shape = {"eagle3": "", "dflash": f"-b{job.block_size}-l{job.dflash_layers}",
              "dspark": f"-r{job.markov_rank}-{Path(job.base or '').stem}"}[job.kind]
     run_name = f"{job.kind}{shape}-v{job.draft_vocab}-s{job.seed}"
@@ -248,13 +263,17 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
             note(f"settings changed since the checkpoint: {'; '.join(changed)}")
     elif ckpt.exists():
         note(f"starting over (pass --resume to continue {ckpt})")
-    note(f"{len(cache.files())} training sequences, {len(held.files())} held-out; draft vocab {len(model.d2t)}; "
+    held_n = " + ".join(f"{len(c.files())} {name}" for name, c in heldouts.items())
+    note(f"{len(cache.files())} training sequences, {held_n}; draft vocab {len(model.d2t)}; "
          f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trained parameters; "
          f"device {device}")
-    start = trainer.evaluate() if held.files() else None
+    start = trainer.evaluate() if val_files else None
     trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt, curve=curve)
-    end = trainer.evaluate() if held.files() else None
-    png = curve.with_suffix(".png") if curve.exists() and plot_curve(curve, curve.with_suffix(".png")) else None
+    end = trainer.evaluate() if val_files else None
+    by_set = {name: trainer.evaluate(c.files()) for name, c in heldouts.items() if c.files()} if len(heldouts) > 1 else {}
+    data_tokens = sum(int(e["tokens"]) for e in cache.manifest())
+    fit = project(trainer.history, max_tokens=data_tokens)  # the first pass: training tokens = data tokens
+    png = curve.with_suffix(".png") if curve.exists() and plot_curve(curve, curve.with_suffix(".png"), fit) else None
     if curve.exists():
         note(f"learning curve: {curve}" + (f" and {png}" if png else
                                            " (no PNG: matplotlib is not installed; pip install 'edgespec[plot]')"))
@@ -269,4 +288,5 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         provenance["edgespec.head.base"] = Path(job.base or "").name
     trainer.export(job.out, job.target, job.weight_type, extra_kv=provenance)
     return {"steps": trainer.step, "seconds": trainer.elapsed, "tokens": trainer.tokens, "start": start, "end": end,
-            "out": job.out, "checkpoint": ckpt, "curve": curve, "png": png}
+            "out": job.out, "checkpoint": ckpt, "curve": curve, "png": png, "by_set": by_set,
+            "data_tokens": data_tokens, "projection": fit}
