@@ -8,6 +8,9 @@ Generation: the same greedy replies to ``--prompts`` generated prompts (``train.
 ``BatchGenerator`` with n_seq 1 and ``--n-seq``; tokens/s counts reply tokens, prompt time included.
 Features: ``build_cache`` of the batched replies on ``LlamaFeatureBackend`` (one rows="all" eval,
 features and top-k labels per sequence, files written); tokens/s counts every cached token.
+Shards: reading the cache back as the trainer does (``FeatureCache.load_file``, float32 feature rows as
+torch tensors), tokens/s: what a training pass over cached features pays for its data, against the
+extraction's rate, which features computed on the fly would pay on every pass.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.backends.llama_features import LlamaFeatureBackend
 from edgespec.models import resolve_model
-from edgespec.train.features import CachePlan, build_cache, chat_tokens
+from edgespec.train.features import CachePlan, FeatureCache, build_cache, chat_tokens
 from edgespec.train.generate import BatchGenerator, chat_prompts, self_distill
 from edgespec.train.prompt_gen import generate_prompts
 
@@ -75,8 +78,26 @@ def main() -> None:
         cache = build_cache(be, Path(d), plan, [], generated=seqs)
         dt = time.perf_counter() - t0
         total = sum(m["tokens"] for m in cache.manifest())
+        read = shard_read_rate(cache)
     print(f"features ({be.feature_method}, layers {list(be.feature_layers)}): {total} tokens in {dt:.1f} s "
           f"= {total / dt:.1f} tok/s")
+    print(f"shards read back as training tensors: {read:.0f} tok/s ({read / (total / dt):.0f}x the extraction)")
+
+
+def shard_read_rate(cache: FeatureCache, repeats: int = 3) -> float:
+    """Tokens/s of reading every file of ``cache`` into the trainer's tensors (median of ``repeats``)."""
+    import torch
+
+    rates = []
+    for _ in range(repeats):
+        t0, n = time.perf_counter(), 0
+        for f in cache.files():
+            z = FeatureCache.load_file(f)
+            torch.from_numpy(np.ascontiguousarray(z["feats"]))
+            torch.from_numpy(z["top_lp"].astype(np.float32))
+            n += len(z["tokens"])
+        rates.append(n / (time.perf_counter() - t0))
+    return float(np.median(rates))
 
 
 if __name__ == "__main__":
