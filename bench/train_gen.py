@@ -8,7 +8,7 @@ Generation: the same greedy replies to ``--prompts`` generated prompts (``train.
 ``BatchGenerator`` with n_seq 1 and ``--n-seq``; tokens/s counts reply tokens, prompt time included.
 Features: ``build_cache`` of the batched replies on ``LlamaFeatureBackend`` (one rows="all" eval,
 features and top-k labels per sequence, files written); tokens/s counts every cached token.
-Shards: reading the cache back as the trainer does (``FeatureCache.load_file``, float32 feature rows as
+Shards: reading the cache back as the trainer does (``trainer.sequence_tensors``: float32 feature rows as
 torch tensors), tokens/s: what a training pass over cached features pays for its data, against the
 extraction's rate, which features computed on the fly would pay on every pass.
 """
@@ -85,17 +85,15 @@ def main() -> None:
 
 
 def shard_read_rate(cache: FeatureCache, repeats: int = 3) -> float:
-    """Tokens/s of reading every file of ``cache`` into the trainer's tensors (median of ``repeats``)."""
-    import torch
+    """Tokens/s of reading every file of ``cache`` into the trainer's tensors (``trainer.sequence_tensors``,
+    CPU; median of ``repeats``)."""
+    from edgespec.train.trainer import sequence_tensors
 
     rates = []
     for _ in range(repeats):
         t0, n = time.perf_counter(), 0
         for f in cache.files():
-            z = FeatureCache.load_file(f)
-            torch.from_numpy(np.ascontiguousarray(z["feats"]))
-            torch.from_numpy(z["top_lp"].astype(np.float32))
-            n += len(z["tokens"])
+            n += len(sequence_tensors(f)["tokens"])
         rates.append(n / (time.perf_counter() - t0))
     return float(np.median(rates))
 

@@ -150,6 +150,17 @@ def init_tensors(config: Eagle3Config | DFlashConfig, d2t: npt.NDArray[np.int64]
 MAX_BORROWED_NORM = 4.0
 
 
+def sequence_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One cached sequence (``FeatureCache.load_file``) as the trainer's tensors on ``device``: tokens and
+    top_ids int64, feats and top_lp float32, n_prompt (kept on the CPU: it is read as an int)."""
+    z = FeatureCache.load_file(path)
+    arrays = {"tokens": z["tokens"].astype(np.int64), "feats": z["feats"],
+              "top_ids": z["top_ids"].astype(np.int64), "top_lp": z["top_lp"].astype(np.float32)}
+    out = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in arrays.items()}
+    out["n_prompt"] = torch.tensor(int(z["n_prompt"]))
+    return out
+
+
 class Trainer:
     """Trains ``model`` on the files of ``cache`` (``train_files``), evaluating on ``val_files``.
 
@@ -186,12 +197,7 @@ class Trainer:
         return self.train_files[order[i % n]]
 
     def _tensors(self, path: Path) -> dict[str, torch.Tensor]:
-        z = FeatureCache.load_file(path)
-        arrays = {"tokens": z["tokens"].astype(np.int64), "feats": z["feats"],
-                  "top_ids": z["top_ids"].astype(np.int64), "top_lp": z["top_lp"].astype(np.float32)}
-        out = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in arrays.items()}
-        out["n_prompt"] = torch.tensor(int(z["n_prompt"]))  # read as an int: stays on the CPU
-        return out
+        return sequence_tensors(path, self.device)
 
     # -- loss and acceptance (the head's own objective) ---------------------------------------------
 
