@@ -312,14 +312,16 @@ def test_drafter_head_dir_is_converted_once_and_stays_lossless(smollm2_path, pub
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_sampling_with_a_converted_head_matches_plain(smollm2_path, published, tmp_path, monkeypatch):
+def test_sampling_with_a_converted_head_matches_plain(smollm2_path, published, smollm2_plain_counts, tmp_path,
+                                                     monkeypatch):
     """test_real_sampling.py's chi-square test of homogeneity (first two tokens, 2000 seeded runs
-    each) with the converted head drafting: spec sampling has the target's distribution."""
-    from test_real_sampling import ALPHA, N_RUNS, PLAIN_SEED0, homogeneity_p, run_many
+    each) with the converted head drafting: spec sampling has the target's distribution. The plain
+    side is the session's (conftest.py), the same runs test_real_sampling.py compares against."""
+    from test_real_sampling import ALPHA, N_RUNS, homogeneity_p, run_many
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    plain = smollm2_plain_counts
     with edgespec.load(smollm2_path, drafter=published, n_ctx=256, threads=1, num_draft=3) as engine:
-        plain, _ = run_many(engine, range(PLAIN_SEED0, PLAIN_SEED0 + N_RUNS), speculative=False)
         spec, stats = run_many(engine, range(N_RUNS))
     drafted, accepted = sum(s.n_drafted for s in stats), sum(s.n_accepted for s in stats)
     assert 0 < accepted < drafted  # both branches: accepted drafts and residual samples

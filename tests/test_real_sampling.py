@@ -84,13 +84,8 @@ def ngram_engine(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def plain_counts(ngram_engine):
-    t0 = time.perf_counter()
-    counts, stats = run_many(ngram_engine, range(PLAIN_SEED0, PLAIN_SEED0 + N_RUNS), speculative=False)
-    assert all(s.n_drafted == 0 for s in stats)
-    print(f"\nplain: {N_RUNS} runs in {time.perf_counter() - t0:.1f} s, {len(counts)} distinct pairs, "
-          f"top {counts.most_common(3)}")
-    return counts
+def plain_counts(smollm2_plain_counts):
+    return smollm2_plain_counts  # conftest.py: computed once per session, shared with test_convert_eagle3.py
 
 
 def _check_both_branches(stats, label):
