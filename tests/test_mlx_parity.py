@@ -27,14 +27,21 @@ from edgespec.cli.app import DEMO_PROMPT  # noqa: E402
 from edgespec.drafters.registry import open_backend  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
-N_POSITIONS = {"smollm2": 512, "gemma3": 640}  # Gemma: past its 512-token sliding window
+N_POSITIONS = {"smollm2": 512, "gemma3": 576}  # Gemma: past its 512-token sliding window
+# The 64-row chunks whose logits are compared (None: all). MLX's CPU kernels spend ~10 s on Gemma's
+# 262k-row LM head per chunk here, so Gemma compares its first 128 rows and the 128 around and past
+# the window's end (448–575); every chunk still runs through the body, KV caches included.
+COMPARED = {"smollm2": None, "gemma3": (0, 1, 7, 8)}
 F32_TOL = {"smollm2": 0.004, "gemma3": 0.03}  # max|Δ| / logit range vs the F32 copy (Gemma: Q6_K → 8-bit)
 
 
-def _logits(backend, ids: list[int], chunk: int = 64) -> np.ndarray:
-    out = np.concatenate([backend.eval(ids[s:s + chunk], "all") for s in range(0, len(ids), chunk)])
+def _logits(backend, ids: list[int], compared: tuple[int, ...] | None, chunk: int = 64) -> np.ndarray:
+    """The logit rows of the compared chunks of ``ids``, evaluated in order in chunks of ``chunk``."""
+    starts = range(0, len(ids), chunk)
+    wanted = [compared is None or k in compared for k in range(len(starts))]
+    out = [backend.eval(ids[s:s + chunk], "all" if w else "none") for s, w in zip(starts, wanted)]
     backend.close()
-    return out
+    return np.concatenate([o for o, w in zip(out, wanted) if w])
 
 
 def _compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
@@ -54,12 +61,13 @@ def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path, tmp_path):
     ids = lc.tokenize(text)[:N_POSITIONS[name]]
     ml = open_backend(path, "mlx", n_ctx=n_ctx)
     assert len(ids) == N_POSITIONS[name] and ml.tokenize(text)[:len(ids)] == ids
-    quant, mlx = _logits(lc, ids), _logits(ml, ids)
-    f32 = _logits(open_backend(dequantize_gguf(path, tmp_path / "f32.gguf"), n_ctx=n_ctx, kv_type="f32"), ids)
+    rows = COMPARED[name]
+    quant, mlx = _logits(lc, ids, rows), _logits(ml, ids, rows)
+    f32 = _logits(open_backend(dequantize_gguf(path, tmp_path / "f32.gguf"), n_ctx=n_ctx, kv_type="f32"), ids, rows)
     own = _compare(f32, quant)[1].max()  # llama.cpp's quantized kernels against the same weights in F32
     for ref_name, ref, tol in (("F32 copy", f32, F32_TOL[name]), ("quantized", quant, 1.25 * own)):
         top1, rel, odd = _compare(ref, mlx)
-        print(f"{name} vs llama.cpp {ref_name}: {len(ids)} positions, top-1 {top1:.2%}, max|Δ|/range "
+        print(f"{name} vs llama.cpp {ref_name}: {len(ids)} positions, {len(ref)} rows compared, top-1 {top1:.2%}, max|Δ|/range "
               f"median {np.median(rel):.4f} max {rel.max():.4f} (limit {tol:.4f}), flips outside near-ties {odd.sum()}")
         assert rel.max() <= tol
         assert not odd.any()
