@@ -47,8 +47,9 @@ def smollm2_plain_counts(smollm2_path: Path):
     """The plain side of every chi-square test of test_real_sampling.py's setup (SmolLM2, its prompt
     and sampling, N_RUNS seeded runs), computed once per session: plain decoding never calls the
     drafter, so it is the same sample whichever drafter a test loads (test_convert_eagle3.py's too)."""
-    import edgespec
     from test_real_sampling import N_RUNS, PLAIN_SEED0, run_many
+
+    import edgespec
 
     with edgespec.load(smollm2_path, drafter=None, n_ctx=256, threads=1) as engine:
         counts, stats = run_many(engine, range(PLAIN_SEED0, PLAIN_SEED0 + N_RUNS), speculative=False)

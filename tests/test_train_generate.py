@@ -54,6 +54,17 @@ def test_batched_greedy_replies_equal_one_sequence_at_a_time(tiny_target):
     assert all(g.temperature == 0.0 for g in got)
 
 
+def test_replies_that_end_at_their_first_token_free_their_slot(tiny_target):
+    """max_new = 1: every reply ends at its first token, so each slot takes its next prompt at once
+    (the case a base model's immediate end-of-text hits): the next prompt starts from an empty
+    sequence, not after the last one's KV (llama.cpp refused that decode: positions not consecutive)."""
+    prompts = _prompts(12)
+    want = [r[:1] for r in _sequential_greedy(tiny_target, prompts, max_new=1)]
+    with BatchGenerator(tiny_target, n_seq=4, seq_ctx=256, threads=1) as gen:
+        got = self_distill(gen, _tokens(gen, prompts), ["gen"] * 12, max_new=1, greedy_share=1.0)
+    assert [g.reply for g in got] == want and all(len(r) == 1 for r in want)
+
+
 def test_sampled_replies_do_not_depend_on_slot_or_batch(tiny_target, tmp_path):
     prompts = _prompts(10)
     runs = []
@@ -76,6 +87,7 @@ def test_sampling_mix_is_seeded_and_in_range():
     assert 0.45 < 1 - len(sampled) / 2000 < 0.55
     assert min(sampled) >= 0.7 and max(sampled) <= 1.0
     assert sampling_mix(10, greedy_share=1.0) == [0.0] * 10
+    assert sampling_mix(700, seed=0) == mix[:700]  # prefix-stable: more prompts keep the first ones' mix
     with pytest.raises(ValueError, match="1.5"):
         sampling_mix(3, greedy_share=1.5)
 

@@ -135,9 +135,10 @@ class BatchGenerator(LlamaCppBackend):
     def _fill(self, s: int, job: _Job) -> Generator[tuple[int, list[int]], None, _Slot | None]:
         """Clear sequence ``s`` and start the next prompt in it; prompts that end at once are yielded.
         Returns the new slot (None when no prompt is left)."""
-        if not self._ll.llama_memory_seq_rm(self._mem, s, -1, -1):
-            raise BackendError(f"llama_memory_seq_rm could not clear sequence {s}")
         for i in job.todo:
+            # cleared before every prompt: one whose reply ends at its first token leaves its KV here
+            if not self._ll.llama_memory_seq_rm(self._mem, s, -1, -1):
+                raise BackendError(f"llama_memory_seq_rm could not clear sequence {s}")
             prompt = list(job.prompts[i])
             if not prompt:
                 raise ValueError(f"prompt {i} has no tokens")
@@ -187,13 +188,14 @@ def _choose(row: np.ndarray, slot: _Slot) -> int:
 def sampling_mix(n: int, seed: int = 0, greedy_share: float = 0.5,
                  t_range: tuple[float, float] = T_RANGE) -> list[float]:
     """Per sequence, 0.0 (greedy) with probability ``greedy_share``, else a temperature drawn
-    uniformly from ``t_range`` (rounded to 2 decimals, so the recorded mix is readable)."""
+    uniformly from ``t_range`` (rounded to 2 decimals, so the recorded mix is readable). Prefix-stable:
+    sequence i's draw is row i of one (n, 2) draw, so ``sampling_mix(n)[:m] == sampling_mix(m)`` and a
+    run with more prompts reuses the replies already generated (``self_distill``'s file)."""
     if not 0.0 <= greedy_share <= 1.0 or not 0.0 < t_range[0] <= t_range[1]:
         raise ValueError(f"greedy_share must be in [0, 1] and t_range positive (got {greedy_share}, {t_range})")
-    rng = np.random.default_rng([seed, 1_000_003])
-    greedy = rng.random(n) < greedy_share
-    temps = np.round(rng.uniform(*t_range, n), 2)
-    return [0.0 if g else float(t) for g, t in zip(greedy, temps)]
+    u = np.random.default_rng([seed, 1_000_003]).random((n, 2))
+    temps = np.round(t_range[0] + (t_range[1] - t_range[0]) * u[:, 1], 2)
+    return [0.0 if g < greedy_share else float(t) for g, t in zip(u[:, 0], temps)]
 
 
 def chat_prompts(gen: BatchGenerator, prompts: Sequence[TrainPrompt]) -> tuple[list[list[int]], list[str]]:
