@@ -111,7 +111,7 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
 
     gen = [e for e in FeatureCache(tmp_path / "w" / "train").manifest() if e["source"].startswith("gen:")]
     assert len(gen) == 6 and len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 8
-    # --heldout-gen: the last 2 generated replies are evaluated (a cache of their own), never trained on
+    # --heldout-gen: the first 2 generated replies are evaluated (a cache of their own), never trained on
     held_gen = FeatureCache(tmp_path / "w" / "heldout-gen").manifest()
     assert len(held_gen) == 2 and all(e["source"].startswith("gen:") for e in held_gen)
     train_seqs = {tuple(FeatureCache.load_file(f)["tokens"]) for f in FeatureCache(tmp_path / "w" / "train").files()}
@@ -127,6 +127,16 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     assert read_curve(curve)[:3] == rows
     meta = read_gguf(out, lambda k: k.startswith("edgespec."), with_tensors=False)
     assert meta.value("edgespec.head.trained_steps") == "5"
+    # more --gen-prompts on the same work dir: only the 2 new replies are generated and evaluated
+    caches = [tmp_path / "w" / d for d in ("train", "heldout-gen")]
+    before = {f: f.stat().st_mtime_ns for c in caches for f in FeatureCache(c).files()}
+    n_train = len(FeatureCache(caches[0]).files())
+    i = args.index("--gen-prompts")
+    result = runner.invoke(cli.app, [*args[:i + 1], "8", *args[i + 2:]])
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 10
+    assert {f: f.stat().st_mtime_ns for f in before} == before
+    assert len(FeatureCache(caches[0]).files()) == n_train + 2 and len(FeatureCache(caches[1]).files()) == 2
 
 
 def test_train_head_dflash_then_dspark(tmp_path: Path, smollm2_path: Path) -> None:

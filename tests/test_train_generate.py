@@ -125,7 +125,7 @@ def test_cache_of_generated_sequences_with_manifest_and_resume(tiny_target, tmp_
         cache = build_cache(be, tmp_path / "c", plan, text, generated=seqs)
         files = cache.files()
         assert len(files) > 5
-        for g, f in zip(seqs, files):
+        for g, f in zip(seqs, files[-5:]):  # after the corpus windows
             z = FeatureCache.load_file(f)
             np.testing.assert_array_equal(z["tokens"], g.prompt + g.reply)
             assert int(z["n_prompt"]) == len(g.prompt) and str(z["source"]) == g.source
@@ -135,8 +135,8 @@ def test_cache_of_generated_sequences_with_manifest_and_resume(tiny_target, tmp_
                 np.testing.assert_array_equal(reply_rows, g.reply)
         manifest = cache.manifest()
         assert [m["file"] for m in manifest] == [f.name for f in files]
-        assert [m["source"] for m in manifest] == [g.source for g in seqs] + ["corpus"] * (len(files) - 5)
-        assert [m["temperature"] for m in manifest][:5] == pytest.approx([g.temperature for g in seqs])
+        assert [m["source"] for m in manifest] == ["corpus"] * (len(files) - 5) + [g.source for g in seqs]
+        assert [m["temperature"] for m in manifest][-5:] == pytest.approx([g.temperature for g in seqs])
         assert sum(m["tokens"] for m in manifest) == sum(len(FeatureCache.load_file(f)["tokens"]) for f in files)
         mtimes = [f.stat().st_mtime_ns for f in files]
         (tmp_path / "c" / MANIFEST).unlink()
@@ -148,6 +148,31 @@ def test_cache_of_generated_sequences_with_manifest_and_resume(tiny_target, tmp_
             build_cache(be, tmp_path / "c", plan, text, generated=seqs[:3])
         with pytest.raises(ValueError, match="differs in generated_prompts\\)"):  # same count, another mix
             build_cache(be, tmp_path / "c", plan, text, generated=[g._replace(temperature=0.5) for g in seqs])
+
+
+def test_a_generated_cache_grows_with_more_prompts(tiny_target, tmp_path):
+    """More --gen-prompts: the cache of the first 3 replies keeps its files and evaluates only the 2
+    new ones (generated sequences come last, so no index moves); a changed prefix is still refused."""
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+
+    prompts = _prompts(5)
+    with BatchGenerator(tiny_target, n_seq=4, seq_ctx=256, threads=1) as gen:
+        seqs = self_distill(gen, _tokens(gen, prompts), [f"gen:{i}" for i in range(5)], max_new=12, seed=1)
+    plan = CachePlan(target=str(tiny_target), target_size=1, seq_len=64, corpus_chars=0)
+    text = ["A line of plain corpus text about rivers and hills. " * 12]
+    with LlamaFeatureBackend(tiny_target, layers=(1, 1, 1), n_ctx=256, threads=1) as be:
+        small = build_cache(be, tmp_path / "c", plan, text, generated=seqs[:3]).files()
+        mtimes = [f.stat().st_mtime_ns for f in small]
+        with pytest.raises(ValueError, match="n_generated"):  # another first reply: not a prefix
+            build_cache(be, tmp_path / "c", plan, text, generated=[seqs[0]._replace(source="x"), *seqs[1:]])
+        grown = build_cache(be, tmp_path / "c", plan, text, generated=seqs)
+        files = grown.files()
+        assert files[:len(small)] == small and len(files) == len(small) + 2
+        assert [f.stat().st_mtime_ns for f in small] == mtimes  # not evaluated again
+        assert [m["source"] for m in grown.manifest()][-5:] == [g.source for g in seqs]
+        build_cache(be, tmp_path / "c", plan, text, generated=seqs)  # the grown plan is the cache's now
+        with pytest.raises(ValueError, match="n_generated"):
+            build_cache(be, tmp_path / "c", plan, text, generated=seqs[:4])
 
 
 def test_prompt_sources_render_chats_and_corpus_windows(tiny_target):

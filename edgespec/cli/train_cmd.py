@@ -43,9 +43,10 @@ def train_head(
     greedy_share: Annotated[float, typer.Option("--greedy-share", help="Share of generated replies that are "
                                                                        "greedy (the rest sampled at T "
                                                                        "0.7–1.0).")] = 0.5,
-    heldout_gen: Annotated[int, typer.Option("--heldout-gen", help="More generated prompts whose replies are "
-                                                                   "held out: evaluated, never trained "
-                                                                   "on.")] = 0,
+    heldout_gen: Annotated[int, typer.Option("--heldout-gen", help="More generated prompts (drawn first) whose "
+                                                                   "replies are held out: evaluated, never "
+                                                                   "trained on. Rerunning with more "
+                                                                   "--gen-prompts grows the data.")] = 0,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")] = 4,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 5e-4,
     lr_decay: Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall to 0 at "

@@ -205,6 +205,21 @@ def _sync_manifest(root: Path, files: Sequence[Path]) -> dict[str, dict[str, Any
     return entries
 
 
+def _generated_plan(generated: Sequence[Generated]) -> dict[str, Any]:
+    """The plan entries of pre-generated sequences: their count and a digest of their prompts, mix and
+    sources (not the replies: float rounding may change them between machines; those stay)."""
+    return {"generated_last": True, "n_generated": len(generated),
+            "generated_prompts": _digest([(g.prompt, g.temperature, g.source) for g in generated])}
+
+
+def _grows(have: dict[str, Any], want: dict[str, Any], generated: Sequence[Generated]) -> bool:
+    """Whether the cache planned as ``have`` holds a prefix of ``generated``, all else equal."""
+    n = have.get("n_generated", 0)
+    if not have.get("generated_last") or not 0 < n <= len(generated):
+        return False
+    return have == want | _generated_plan(generated[:n])
+
+
 def _digest(value: Any) -> str:
     """A short fingerprint of a JSON-serialisable value."""
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
@@ -221,14 +236,17 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
                 prompts: Sequence[str] = (), progress: Callable[[int, int], None] | None = None,
                 generator: Any = None, generated: Sequence[Generated] = ()) -> FeatureCache:
     """Fill ``root`` with the features and soft labels of the target's greedy continuations of
-    ``prompts``, of the ``generated`` sequences and of ``texts`` (cut into ``plan.seq_len``-token
-    windows), in that order; resumes a partial cache (files already written are skipped).
+    ``prompts``, of ``texts`` (cut into ``plan.seq_len``-token windows) and of the ``generated``
+    sequences, in that order; resumes a partial cache (files already written are skipped) and grows
+    one whose generated sequences are a prefix of ``generated`` (more ``--gen-prompts``: only the new
+    ones are evaluated).
 
     Args:
         backend: a ``LlamaFeatureBackend`` on the target (its context must hold
             ``seq_len`` and ``prompt + gen_tokens`` tokens, and every generated sequence).
         root: cache directory (created).
-        plan: the cache's identity; a directory holding another plan is refused.
+        plan: the cache's identity; a directory holding another plan is refused (so is one holding
+            more generated sequences than ``generated``, or others).
         texts: corpus chunks.
         prompts: training prompts for greedy generations made here, one at a time.
         progress: called as ``progress(done, total)`` after each sequence.
@@ -247,20 +265,18 @@ def build_cache(backend: Any, root: str | Path, plan: CachePlan, texts: Sequence
     if prompts and not backend.metadata("tokenizer.chat_template"):
         want["base_prompt"] = BASE_PROMPT  # caches of raw prompts (before it) are refused
     if generated:  # absent otherwise: caches from before them keep their plan
-        want["n_generated"] = len(generated)
-        # not the replies: float rounding may change them between machines, the prompts and mix stay
-        want["generated_prompts"] = _digest([(g.prompt, g.temperature, g.source) for g in generated])
-    if meta_path.exists():
-        have = json.loads(meta_path.read_text())
-        if have != want:
-            diff = sorted(k for k in want.keys() | have.keys() if have.get(k) != want.get(k))
-            raise ValueError(f"{root} holds a feature cache of another plan (differs in {', '.join(diff)}); "
-                             "use another directory or delete it")
-    else:
+        want |= _generated_plan(generated)
+    have = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if have is not None and have != want and not _grows(have, want, generated):
+        diff = sorted(k for k in want.keys() | have.keys() if have.get(k) != want.get(k))
+        raise ValueError(f"{root} holds a feature cache of another plan (differs in {', '.join(diff)}); "
+                         "use another directory or delete it")
+    if have != want:
         meta_path.write_text(json.dumps(want, indent=1))
-    jobs: list[tuple[str, Any]] = [("prompt", p) for p in prompts] + [("generated", g) for g in generated]
+    jobs: list[tuple[str, Any]] = [("prompt", p) for p in prompts]
     for text in texts:
         jobs += [("tokens", w) for w in _windows(backend.tokenize(text), plan.seq_len)]
+    jobs += [("generated", g) for g in generated]  # last, so that more of them keep every index before
     cache = FeatureCache(root)
     _sync_manifest(root, cache.files())
     for i, (kind, item) in enumerate(jobs):

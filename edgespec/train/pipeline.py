@@ -12,9 +12,11 @@ kind. Rerunning resumes the extraction; ``resume`` continues training from the c
 optimizer, step (hence learning rate and data position), tokens seen, curve and torch's RNG (the
 budget then counts the new run's seconds only).
 Held-out data are the target's generations on ``prompts.HELDOUT_PROMPTS``, never trained on, and,
-with ``heldout_gen`` > 0, the self-distilled replies to that many more generated prompts (drawn with
-the training ones, kept out of training: ``heldout-gen/``), so the curve is measured on more than the
-eight fixed prompts.
+with ``heldout_gen`` > 0, the self-distilled replies to that many more generated prompts (the first
+ones drawn, kept out of training: ``heldout-gen/``), so the curve is measured on more than the eight
+fixed prompts. More ``gen_prompts`` on the same work directory grow the data: the prompt draw, the
+greedy/temperature mix and the train cache are prefix-stable, so only the new replies are generated
+and evaluated.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class HeadJob:
     gen_prompts: int = 0  # generated prompts (prompt_gen) whose replies are self-distilled in batches
     n_seq: int = 8  # sequences per batched decode of those replies (generate.BatchGenerator)
     greedy_share: float = 0.5  # share of them answered greedily (the rest at T in 0.7–1.0)
-    heldout_gen: int = 0  # more generated prompts whose replies are held out (never trained on)
+    heldout_gen: int = 0  # more generated prompts (drawn first) whose replies are held out (never trained on)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -109,10 +111,10 @@ def mask_token(path: Path, n_vocab: int) -> int:
 
 
 def self_distilled(job: HeadJob, work: Path, progress: Callable[[str, int, int], None] | None = None) -> list[Generated]:
-    """The target's replies to ``job.gen_prompts + job.heldout_gen`` generated prompts (the held-out ones
-    last), ``job.n_seq`` at a time (``generate.self_distill``), kept in ``work``/generated.jsonl so that a
+    """The target's replies to ``job.heldout_gen + job.gen_prompts`` generated prompts (the held-out ones
+    first, so that more training prompts leave them as they are), ``job.n_seq`` at a time (``generate.self_distill``), kept in ``work``/generated.jsonl so that a
     rerun resumes them."""
-    n = job.gen_prompts + job.heldout_gen
+    n = job.heldout_gen + job.gen_prompts
     if not n:
         return []
     from edgespec.train.generate import BatchGenerator, chat_prompts, self_distill
@@ -215,7 +217,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         note(f"features of {job.target.name} (layers {list(backend.feature_layers)}) → {work}")
         texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
         seqs = self_distilled(job, work, progress)
-        kept = seqs[:job.gen_prompts]
+        kept = seqs[job.heldout_gen:]
         cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
                             progress=(lambda d, t: progress("train data", d, t)) if progress else None,
                             generator=generator, generated=kept)
@@ -229,7 +231,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
             gen_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                                  corpus_chars=0, gen_tokens=job.gen_tokens, seed=job.seed)
             heldouts["heldout-gen"] = build_cache(
-                backend, work / "heldout-gen", gen_plan, [], generated=seqs[job.gen_prompts:],
+                backend, work / "heldout-gen", gen_plan, [], generated=seqs[:job.heldout_gen],
                 progress=(lambda d, t: progress("held-out replies", d, t)) if progress else None)
         layers = backend.feature_layers
     finally:
