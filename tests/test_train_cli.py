@@ -132,8 +132,9 @@ def test_train_head_end_to_end(tmp_path: Path, smollm2_path: Path) -> None:
     before = {f: f.stat().st_mtime_ns for c in caches for f in FeatureCache(c).files()}
     n_train = len(FeatureCache(caches[0]).files())
     i = args.index("--gen-prompts")
-    result = runner.invoke(cli.app, [*args[:i + 1], "8", *args[i + 2:]])
+    result = runner.invoke(cli.app, [*args[:8], "6", *args[9:i + 1], "8", *args[i + 2:], "--resume"])
     assert result.exit_code == 0, result.output
+    assert f"training data: {n_train} → {n_train + 2} sequences since the checkpoint" in result.output
     assert len((tmp_path / "w" / "generated.jsonl").read_text().splitlines()) == 10
     assert {f: f.stat().st_mtime_ns for f in before} == before
     assert len(FeatureCache(caches[0]).files()) == n_train + 2 and len(FeatureCache(caches[1]).files()) == 2

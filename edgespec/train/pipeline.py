@@ -263,6 +263,9 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         changed = [f"{k} {before[k]} → {v}" for k, v in asdict(train_cfg).items() if k in before and before[k] != v]
         if changed:
             note(f"settings changed since the checkpoint: {'; '.join(changed)}")
+        if before.get("n_train", len(trainer.train_files)) != len(trainer.train_files):
+            note(f"training data: {before['n_train']} → {len(trainer.train_files)} sequences since the checkpoint "
+                 "(samples from here on are drawn from the new set)")
     elif ckpt.exists():
         note(f"starting over (pass --resume to continue {ckpt})")
     held_n = " + ".join(f"{len(c.files())} {name}" for name, c in heldouts.items())

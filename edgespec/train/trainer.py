@@ -295,21 +295,23 @@ class Trainer:
     # -- checkpoints and export --------------------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Model, optimizer, step, tokens seen, elapsed time, curve rows, the loss window and torch's
-        CPU RNG state (atomic)."""
+        """Model, optimizer, step, tokens seen, elapsed time, curve rows, the loss window, torch's CPU
+        RNG state and the number of training files (atomic)."""
         path = Path(path)
         tmp = path.with_suffix(".tmp")
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "tokens": self.tokens, "elapsed": self.elapsed, "history": self.history,
                     "window": self.window, "torch_rng": torch.random.get_rng_state(),
-                    "train": asdict(self.config), "head": asdict(self.model.config)}, tmp)
+                    "train": asdict(self.config), "head": asdict(self.model.config),
+                    "n_train": len(self.train_files)}, tmp)
         tmp.replace(path)
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore a checkpoint written by ``save`` for the same head shape, on this trainer's device.
 
         Returns:
-            the ``TrainConfig`` fields the checkpoint was trained with (as a dict).
+            the ``TrainConfig`` fields the checkpoint was trained with (as a dict), and ``n_train``,
+            its number of training files, where it recorded one.
         """
         state = torch.load(Path(path), map_location="cpu", weights_only=False)
         if state["head"] != asdict(self.model.config):
@@ -323,7 +325,7 @@ class Trainer:
         self.tokens, self.window = state.get("tokens", 0), state.get("window", [])
         if "torch_rng" in state:
             torch.random.set_rng_state(state["torch_rng"])
-        return dict(state["train"])
+        return dict(state["train"]) | ({"n_train": state["n_train"]} if "n_train" in state else {})
 
     def export(self, path: Path, vocab_source: Path, weight_type: str = "f16",
                extra_kv: dict[str, str] | None = None) -> Path:
