@@ -113,13 +113,17 @@ def test_a_prompt_beyond_the_sequence_context_is_refused(tiny_target):
         BatchGenerator(tiny_target, n_seq=2, seq_ctx=300)
 
 
+def _five_replies(tiny_target, max_new: int) -> tuple[list[Generated], CachePlan]:
+    """Self-distilled replies to 5 prompts (sources gen:0..4) and a cache plan for them."""
+    with BatchGenerator(tiny_target, n_seq=4, seq_ctx=256, threads=1) as gen:
+        seqs = self_distill(gen, _tokens(gen, _prompts(5)), [f"gen:{i}" for i in range(5)], max_new=max_new, seed=1)
+    return seqs, CachePlan(target=str(tiny_target), target_size=1, seq_len=64, corpus_chars=0)
+
+
 def test_cache_of_generated_sequences_with_manifest_and_resume(tiny_target, tmp_path):
     from edgespec.backends.llama_features import LlamaFeatureBackend
 
-    prompts = _prompts(5)
-    with BatchGenerator(tiny_target, n_seq=4, seq_ctx=256, threads=1) as gen:
-        seqs = self_distill(gen, _tokens(gen, prompts), [f"gen:{i}" for i in range(5)], max_new=20, seed=1)
-    plan = CachePlan(target=str(tiny_target), target_size=1, seq_len=64, corpus_chars=0)
+    seqs, plan = _five_replies(tiny_target, max_new=20)
     text = ["The quick brown fox jumps over the lazy dog near the quiet river bank. " * 12]
     with LlamaFeatureBackend(tiny_target, layers=(1, 1, 1), n_ctx=256, threads=1) as be:
         cache = build_cache(be, tmp_path / "c", plan, text, generated=seqs)
@@ -155,10 +159,7 @@ def test_a_generated_cache_grows_with_more_prompts(tiny_target, tmp_path):
     new ones (generated sequences come last, so no index moves); a changed prefix is still refused."""
     from edgespec.backends.llama_features import LlamaFeatureBackend
 
-    prompts = _prompts(5)
-    with BatchGenerator(tiny_target, n_seq=4, seq_ctx=256, threads=1) as gen:
-        seqs = self_distill(gen, _tokens(gen, prompts), [f"gen:{i}" for i in range(5)], max_new=12, seed=1)
-    plan = CachePlan(target=str(tiny_target), target_size=1, seq_len=64, corpus_chars=0)
+    seqs, plan = _five_replies(tiny_target, max_new=12)
     text = ["A line of plain corpus text about rivers and hills. " * 12]
     with LlamaFeatureBackend(tiny_target, layers=(1, 1, 1), n_ctx=256, threads=1) as be:
         small = build_cache(be, tmp_path / "c", plan, text, generated=seqs[:3]).files()
