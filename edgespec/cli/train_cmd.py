@@ -139,6 +139,9 @@ def train_head(
                 else f"no rise towards τ {fit.goal:g}")
         ui.status(f"learning curve over the first pass ({summary['data_tokens']} data tokens, {fit.rows} rows): "
                   f"τ ≈ {fit.a:.2f} + {fit.b:.3f}·ln(tokens); {goal} (a log-linear extrapolation)")
+    else:
+        ui.status(f"no projection: fewer than 3 curve rows (after the first) within the first pass over the data "
+                  f"({summary['data_tokens']} tokens); a smaller --eval-every gives more")
 
 
 class _TrainProgress:
