@@ -112,8 +112,8 @@ def mask_token(path: Path, n_vocab: int) -> int:
 
 def self_distilled(job: HeadJob, work: Path, progress: Callable[[str, int, int], None] | None = None) -> list[Generated]:
     """The target's replies to ``job.heldout_gen + job.gen_prompts`` generated prompts (the held-out ones
-    first, so that more training prompts leave them as they are), ``job.n_seq`` at a time (``generate.self_distill``), kept in ``work``/generated.jsonl so that a
-    rerun resumes them."""
+    first, so that more training prompts leave them as they are), ``job.n_seq`` at a time
+    (``generate.self_distill``), kept in ``work``/generated.jsonl so that a rerun resumes or grows them."""
     n = job.heldout_gen + job.gen_prompts
     if not n:
         return []
