@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models demo test test-fast lint bench anchor heads clean
+.PHONY: install models converter demo test test-fast lint bench anchor heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,27 @@ install: $(STAMP)
 models: install
 	$(BIN)/edgespec models fetch
 
+# llama.cpp's own HF → GGUF converter, vendored in the llama-cpp-python 0.3.36 sdist: the head-conversion
+# tests check edgespec's converter against it (tests/hf_head_fixtures.py; they skip without it).
+LLAMA_CPP_SRC ?= $(HOME)/.cache/edgespec/src/llama.cpp-0.3.36
+converter: install
+	@set -e; if [ ! -f $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py ]; then \
+	  echo "fetching llama.cpp's converter (llama-cpp-python 0.3.36 sdist) into $(LLAMA_CPP_SRC)"; \
+	  tmp=$$(mktemp -d); \
+	  $(BIN)/python -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $$tmp; \
+	  tar xzf $$tmp/llama_cpp_python-0.3.36.tar.gz -C $$tmp; \
+	  mkdir -p $(LLAMA_CPP_SRC); \
+	  cp -r $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \
+	    $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/conversion \
+	    $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py $(LLAMA_CPP_SRC); \
+	  rm -rf $$tmp; \
+	fi
+
 demo: models
 	$(BIN)/edgespec demo
 
-test: models
-	$(BIN)/python -m pytest -q --durations=15
+test: models converter
+	EDGESPEC_LLAMA_CPP_SRC=$(LLAMA_CPP_SRC) $(BIN)/python -m pytest -q --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real and not slow"
