@@ -33,10 +33,9 @@ converter: install
 	  tmp=$$(mktemp -d); \
 	  $(BIN)/python -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $$tmp; \
 	  tar xzf $$tmp/llama_cpp_python-0.3.36.tar.gz -C $$tmp; \
+	  src=$$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp; \
 	  mkdir -p $(LLAMA_CPP_SRC); \
-	  cp -r $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \
-	    $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/conversion \
-	    $$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py $(LLAMA_CPP_SRC); \
+	  cp -r $$src/convert_hf_to_gguf.py $$src/conversion $$src/gguf-py $(LLAMA_CPP_SRC); \
 	  rm -rf $$tmp; \
 	fi
 

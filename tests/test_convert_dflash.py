@@ -13,8 +13,6 @@ import pytest
 import torch
 from gguf_fixtures import build_tiny_llama
 from hf_head_fixtures import (
-    FETCH_LLAMA_CPP_SRC,
-    LLAMA_CPP_SRC,
     dflash_reference,
     export_dflash_zlab,
     hf_target_dir,
@@ -186,8 +184,6 @@ def test_drafter_head_dir_on_smollm2_is_lossless(smollm2_path, tmp_path, monkeyp
 def test_same_gguf_as_llama_cpps_converter(checkpoint, target, tmp_path: Path):
     """The vendored llama.cpp converter (convert_hf_to_gguf.py, conversion/qwen.py DFlashModel) on the
     same checkpoint writes the same tensors (bit for bit in F32) and the same dflash.* values."""
-    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"needs llama.cpp's converter in {LLAMA_CPP_SRC}: {FETCH_LLAMA_CPP_SRC.format(dst=LLAMA_CPP_SRC)}")
     target_dir = hf_target_dir(tmp_path / "target", n_layer=8, n_embd=H, n_vocab=N_VOCAB)
     theirs = read_gguf(llama_cpp_convert(checkpoint[0], target_dir, tmp_path / "llama_cpp.gguf"))
     ours = read_gguf(convert_head(checkpoint[0], target[0], tmp_path / "ours.gguf", outtype="f32"))

@@ -15,8 +15,6 @@ import pytest
 import torch
 from gguf_fixtures import build_tiny_llama
 from hf_head_fixtures import (
-    FETCH_LLAMA_CPP_SRC,
-    LLAMA_CPP_SRC,
     eagle3_reference,
     export_eagle3_speculators,
     hf_target_dir,
@@ -336,8 +334,6 @@ def test_same_gguf_as_llama_cpps_converter(converted, tmp_path: Path, layout: st
     checkpoint writes the same tensors (bit for bit in F32, llama3's rope_freqs.weight included) and
     the same eagle3.* values; it keeps an embed_tokens that is a copy of the target's, which edgespec
     drops."""
-    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"needs llama.cpp's converter in {LLAMA_CPP_SRC}: {FETCH_LLAMA_CPP_SRC.format(dst=LLAMA_CPP_SRC)}")
     ckpt, _, _, ours_path = converted[layout]
     target_dir = hf_target_dir(tmp_path / "target", n_layer=8, n_embd=H_T, n_vocab=N_VOCAB)
     theirs, ours = read_gguf(llama_cpp_convert(ckpt, target_dir, tmp_path / "llama_cpp.gguf")), read_gguf(ours_path)
