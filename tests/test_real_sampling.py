@@ -83,11 +83,6 @@ def ngram_engine(smollm2_path):
         yield eng
 
 
-@pytest.fixture(scope="module")
-def plain_counts(smollm2_plain_counts):
-    return smollm2_plain_counts  # conftest.py: computed once per session, shared with test_convert_eagle3.py
-
-
 def _check_both_branches(stats, label):
     drafted = sum(s.n_drafted for s in stats)
     accepted = sum(s.n_accepted for s in stats)
@@ -98,16 +93,16 @@ def _check_both_branches(stats, label):
     assert accepted >= 0.05 * drafted and drafted - accepted >= 0.05 * drafted  # both branches, often
 
 
-def test_ngram_sampling_matches_plain(ngram_engine, plain_counts):
+def test_ngram_sampling_matches_plain(ngram_engine, smollm2_plain_counts):
     t0 = time.perf_counter()
     spec, stats = run_many(ngram_engine, range(N_RUNS))
     _check_both_branches(stats, "ngram")
-    p, cells = homogeneity_p(spec, plain_counts)
+    p, cells = homogeneity_p(spec, smollm2_plain_counts)
     print(f"ngram: chi-square p = {p:.3f} over {cells} cells; {time.perf_counter() - t0:.1f} s")
     assert p > ALPHA
 
 
-def test_the_chi_square_catches_a_biased_verifier(ngram_engine, plain_counts, monkeypatch):
+def test_the_chi_square_catches_a_biased_verifier(ngram_engine, smollm2_plain_counts, monkeypatch):
     """Power check: a verifier that resamples from p after a rejection (without zeroing the rejected
     draft) over-produces the draft token; 200 runs are enough for the same test to reject."""
 
@@ -122,7 +117,7 @@ def test_the_chi_square_catches_a_biased_verifier(ngram_engine, plain_counts, mo
 
     monkeypatch.setattr(edgespec.engine, "verify_stochastic", biased)  # the engine's T > 0 verification
     spec, _ = run_many(ngram_engine, range(200))
-    p, cells = homogeneity_p(spec, plain_counts)
+    p, cells = homogeneity_p(spec, smollm2_plain_counts)
     print(f"biased verifier: chi-square p = {p:.2e} over {cells} cells")
     assert p < ALPHA
 
@@ -134,11 +129,11 @@ def q2k_drafter(tmp_path_factory, smollm2_path):
     return path
 
 
-def test_draft_model_sampling_matches_plain(smollm2_path, q2k_drafter, plain_counts):
+def test_draft_model_sampling_matches_plain(smollm2_path, q2k_drafter, smollm2_plain_counts):
     t0 = time.perf_counter()
     with edgespec.load(smollm2_path, drafter=q2k_drafter, n_ctx=256, threads=1, num_draft=4) as engine:
         spec, stats = run_many(engine, range(N_RUNS))
     _check_both_branches(stats, "draft model (Q2_K)")
-    p, cells = homogeneity_p(spec, plain_counts)
+    p, cells = homogeneity_p(spec, smollm2_plain_counts)
     print(f"draft model: chi-square p = {p:.3f} over {cells} cells; {time.perf_counter() - t0:.1f} s")
     assert p > ALPHA
