@@ -10,6 +10,9 @@ from typing import Annotated
 import typer
 
 from edgespec.cli import ui
+from edgespec.errors import EdgespecError
+
+SUITES = ("shipped", "spec-bench")
 
 
 def bench(
@@ -25,9 +28,15 @@ def bench(
                                   "the machine's noise; with a head, the cost of capturing features) (default: 4 and auto).")] = None,
     temp: Annotated[list[float] | None, typer.Option(
         "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="A .jsonl file or folder (default: the shipped suite, edgespec/bench/suite).")] = None,
-    category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories.")] = None,
-    per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category.")] = 3,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="Your own tasks: a .jsonl file or folder, instead of "
+                                              "a --suite.")] = None,
+    suite: Annotated[str | None, typer.Option(
+        "--suite", help="A built-in task suite: 'shipped' (edgespec/bench/suite, the default) or 'spec-bench' "
+                        "(Spec-Bench's 480 prompts: multi_turn, translation, summarization, qa, math_reasoning, "
+                        "rag). Not with --tasks.")] = None,
+    category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories (repeatable).")] = None,
+    per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category (spec-bench: "
+                                              "spread evenly over each category's 80).")] = 3,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Plain/spec pairs per task and config.")] = 1,
     backend: Annotated[str, typer.Option("--backend", help="Runtime: 'llama.cpp' or 'mlx'.")] = "llama.cpp",
@@ -39,12 +48,18 @@ def bench(
 ) -> None:
     """Benchmark plain vs speculative decoding on the task suite.
 
-    Plain decoding vs each speculative config on the task suite, alternating
+    Plain decoding vs each speculative config on the task suite (--suite
+    shipped or spec-bench, or your own --tasks), alternating
     in one process on the same backend; per config and category: tok/s,
     speedup min/median/max, τ, acceptance by position, time split, peak RSS,
     greedy mismatches, and efficiency vs the ideal speedup from
     `edgespec profile`.
     """
+    if suite is not None and suite not in SUITES:
+        raise EdgespecError(f"--suite is {suite!r}: expected one of {', '.join(SUITES)}")
+    if suite is not None and tasks is not None:
+        raise EdgespecError("--suite and --tasks are mutually exclusive: --tasks runs your own task file(s), "
+                            "--suite a built-in suite")
     import dataclasses
 
     from edgespec.backends.llama_cpp import default_threads
@@ -58,7 +73,12 @@ def bench(
     from edgespec.models import model_sha256
 
     threads = threads or default_threads()
-    chosen = load_tasks(tasks, category)
+    if suite == "spec-bench":
+        from edgespec.bench.spec_bench import load_spec_bench
+
+        chosen = load_spec_bench(category, per_category)  # already per_category, spread over each category
+    else:
+        chosen = load_tasks(tasks, category)
     by_cat: dict[str, list] = {}
     for t in chosen:
         if len(by_cat.setdefault(t.category, [])) < per_category:
