@@ -197,6 +197,44 @@ def save_profile(path: Path | None, backend: Backend, **fields) -> None:
     path.write_text(replace(prof, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields).to_json())
 
 
+PAIR_DECAY = 0.7  # what a pair's older generations weigh against the newest one
+PAIR_MIN_JUDGED = 4  # verified draft positions a pair needs before its acceptance is trusted
+
+
+def pair_path(target: Backend, drafter_paths: Sequence[str], greedy: bool) -> Path | None:
+    """Where the acceptance a (target, drafter) pair showed is kept (None: a drafter without files,
+    or a model not on disk)."""
+    from edgespec.models import model_key
+
+    files = [target.path, *drafter_paths]
+    if not drafter_paths or not all(Path(f).exists() for f in files):
+        return None
+    key = "-".join(model_key(f)[:12] for f in files)
+    return profile_dir() / f"pair-{key}-{target.name}-{'greedy' if greedy else 'sampled'}.json"
+
+
+def load_acceptance(path: Path | None) -> float | None:
+    """The pair's mean acceptance of verified draft positions (None: unknown or too few)."""
+    try:
+        passed, judged = json.loads(path.read_text())["judged"] if path is not None else (0, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return passed / judged if judged >= PAIR_MIN_JUDGED else None
+
+
+def save_acceptance(path: Path | None, passed: float, judged: float) -> None:
+    """Fold one generation's verified draft positions into the pair's record."""
+    if path is None or judged <= 0:
+        return
+    try:
+        old = json.loads(path.read_text())["judged"]
+    except (OSError, ValueError, KeyError, TypeError):
+        old = (0.0, 0.0)
+    record = [PAIR_DECAY * old[0] + passed, PAIR_DECAY * old[1] + judged]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"judged": record, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,
                  progress: Callable[[int, int], None] | None = None, chunk: int | None = None,
                  context: int = CONTEXT_TOKENS) -> dict[int, float]:

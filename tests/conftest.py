@@ -43,6 +43,18 @@ def gemma_f16_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_f32_path() -> Path:
+    """SmolLM2-135M-Instruct F32 derived from the Q4_1 release (a bandwidth-bound target here)."""
+    return _fetched("smollm2-f32")
+
+
+@pytest.fixture(scope="session")
+def gemma_f32_path() -> Path:
+    """Gemma-3-270M F32 derived from the Q4_K_M release (a bandwidth-bound target here)."""
+    return _fetched("gemma3-f32")
+
+
+@pytest.fixture(scope="session")
 def smollm2_plain_counts(smollm2_path: Path):
     """The plain side of every chi-square test of test_real_sampling.py's setup (SmolLM2, its prompt
     and sampling, N_RUNS seeded runs), computed once per session: plain decoding never calls the

@@ -213,16 +213,20 @@ def test_real_precision_pair_is_derived() -> None:
     import gguf
     from gguf_fixtures import read_gguf_kv
 
-    paths = models.fetch(["gemma3-q8_0", "gemma3-f16"])
+    paths = models.fetch(["gemma3-q8_0", "gemma3-f16", "gemma3-f32", "smollm2-f32"])
     expected = {
-        "gemma-3-270m-q8_0.gguf": gguf.LlamaFileType.MOSTLY_Q8_0,
-        "gemma-3-270m-f16.gguf": gguf.LlamaFileType.MOSTLY_F16,
+        "gemma-3-270m-q8_0.gguf": ("gemma3", gguf.LlamaFileType.MOSTLY_Q8_0),
+        "gemma-3-270m-f16.gguf": ("gemma3", gguf.LlamaFileType.MOSTLY_F16),
+        "gemma-3-270m-f32.gguf": ("gemma3", gguf.LlamaFileType.ALL_F32),
+        "SmolLM2-135M-Instruct.F32.gguf": ("llama", gguf.LlamaFileType.ALL_F32),
     }
     for path in paths:
         kv = read_gguf_kv(path, {"general.architecture", "general.file_type"})
-        assert kv == {"general.architecture": "gemma3", "general.file_type": expected[path.name]}
+        assert (kv["general.architecture"], kv["general.file_type"]) == expected[path.name]
     rows = {r.name: r for r in models.list_models()}
-    assert rows["gemma-3-270m-q8_0"].sha256 and rows["gemma-3-270m-f16"].sha256
+    for name in ("gemma-3-270m-q8_0", "gemma-3-270m-f16", "gemma-3-270m-f32", "smollm2-135m-instruct-f32"):
+        assert rows[name].sha256, name
+        assert "dequantized from the Q4" in rows[name].note
 
 
 def test_tiny_llama_fixtures(tiny_target: Path, smollm2_path: Path, tmp_path: Path) -> None:

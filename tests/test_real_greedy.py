@@ -1,7 +1,7 @@
 """Greedy losslessness on real GGUF models through llama.cpp: speculative == plain, token for token.
 
 Q4_1 (SmolLM2) and Q8_0 / no-repack Q4_K (Gemma) kernels are batch-invariant on CPU, so the
-equality is exact there (MODELS.md). F16 is not: see test_f16_target_is_argmax_of_its_own_logits.
+equality is exact there (MODELS.md). F16 and F32 are not: see test_wide_target_is_argmax_of_its_own_logits.
 """
 
 from __future__ import annotations
@@ -62,16 +62,22 @@ class _Recorder:
         return np.argmax(self.eval(tokens, rows="all"), axis=1)
 
 
-def test_f16_target_is_argmax_of_its_own_logits(gemma_f16_path, gemma_q4_path):
-    """F16 matmuls on this CPU give slightly different logits for a batch than for single tokens
-    (MODELS.md: up to ~0.1). Each emitted token must still be the argmax of the verification logits
+@pytest.mark.parametrize("target, drafter, n_prompts", [
+    ("gemma_f16_path", "gemma_q4_path", 4),
+    ("smollm2_f32_path", "smollm2_path", 3),  # the bandwidth-bound targets (docs/regimes.md)
+    ("gemma_f32_path", "gemma_q4_path", 2),
+])
+def test_wide_target_is_argmax_of_its_own_logits(target, drafter, n_prompts, request):
+    """F16 and F32 matmuls on this CPU give slightly different logits for a batch than for single
+    tokens (F16: up to ~0.1). Each emitted token must still be the argmax of the verification logits
     that produced it; where spec and plain diverge, the two candidates must be plain's top 2, and
     their gap smaller than the measured batch-vs-single difference of that very logit row."""
     divergences = 0
-    with edgespec.load(gemma_f16_path, drafter=gemma_q4_path, n_ctx=1024) as engine:
+    target_path, drafter_path = request.getfixturevalue(target), request.getfixturevalue(drafter)
+    with edgespec.load(target_path, drafter=drafter_path, n_ctx=1024) as engine:
         rec = _Recorder(engine.target)
         engine.target = rec
-        for prompt in PROMPTS[:4]:
+        for prompt in PROMPTS[:n_prompts]:
             plain = engine.generate(prompt, max_tokens=64, speculative=False)
             rec.blocks.clear()
             spec = engine.generate(prompt, max_tokens=64, num_draft=4)
@@ -92,9 +98,9 @@ def test_f16_target_is_argmax_of_its_own_logits(gemma_f16_path, gemma_q4_path):
             assert {int(top2[0]), int(top2[1])} == {spec.tokens[d], plain.tokens[d]}, (prompt, d)
             gap = single[top2[1]] - single[top2[0]]
             assert gap <= np.abs(single - batched).max(), (prompt, d, gap)
-            print(f"F16 divergence at token {d}: top-2 gap {gap:.3f} (relative {gap / abs(single[top2[1]]):.1e}), "
+            print(f"{target_path.name} divergence at token {d}: top-2 gap {gap:.3f} (relative {gap / abs(single[top2[1]]):.1e}), "
                   f"batch-vs-single max |dlogit| {np.abs(single - batched).max():.3f}")
-    print(f"F16 target: {divergences}/4 prompts diverged (near ties explained by batch variance)")
+    print(f"{target_path.name}: {divergences}/{n_prompts} prompts diverged (near ties explained by batch variance)")
 
 
 def test_long_context_greedy_equals_plain(smollm2_path):

@@ -231,3 +231,41 @@ def test_sampled_shadow_scoring_credits_p_of_the_draft_token():
         assert abs(model.hits[0] / model.tries[0] - want) < 1e-9
         assert sched.run > 0  # the emitted tokens matched: the run goes on either way
 
+
+
+def _bandwidth_bound() -> tuple[list[float], Scheduler]:
+    """T(k) = 10 + 0.5(k−1) (a laptop GPU's flat curve) and a drafter at 3 ms per token: at
+    acceptance 0.9 it would win ~1.6×, so the scheduler tries it from the first cycle."""
+    t = _linear(10.0, 0.5)
+    return t, Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0))
+
+
+def test_a_costly_drafter_that_could_win_big_drafts_from_the_first_cycle():
+    t, sched = _bandwidth_bound()
+    assert sched.potential() > 1.5
+    sched.new_generation(n_prompt=100)
+    gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=30)
+    assert gammas[0] > 0 and all(g > 0 for g in gammas)  # no plain steps waiting for a probe budget
+    assert sched.judged == [sum(gammas), sum(gammas)]  # every verified position passed
+
+
+def test_a_costly_drafter_that_explores_and_misses_is_switched_off_within_a_few_cycles():
+    t, sched = _bandwidth_bound()
+    gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=300)
+    first_plain = next(i for i, g in enumerate(gammas) if g == 0)
+    assert first_plain <= 3  # the optimistic prior is worth a few verified positions only
+    assert sum(g > 0 for g in gammas) <= 3 + 5  # then probes on their small budget, as before
+    assert sched.judged[0] == 0 and sched.judged[1] == sum(g > 0 for g in gammas)
+
+
+def test_a_pair_known_to_miss_starts_plain_and_a_compute_bound_target_never_explores():
+    t, _ = _bandwidth_bound()
+    known_bad = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), prior=0.2)
+    assert _simulate(known_bad, _ScriptedDrafter(token=0), t, 3.0, cycles=5)[0] == 0
+    known_good = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), prior=0.95)
+    assert _simulate(known_good, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] >= 3
+    q4 = _linear(10.0, 8.0)  # T(8) ≈ 6.6·T(1): even a perfect drafter at 6 ms per token cannot win
+    compute_bound = Scheduler(CostModel({k: q4[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=6.0))
+    assert compute_bound.potential(1.0) == 1.0  # γ = 0 is best
+    assert compute_bound.acceptance.prior == 0.3  # the cautious run priors: no exploration
+    assert _simulate(compute_bound, _ScriptedDrafter(token=0), q4, 6.0, cycles=20) == [0] * 20
