@@ -266,7 +266,7 @@ class Engine:
              gamma: int | str, stop: Sequence[str], sched: Scheduler | None) -> Iterator[Chunk]:
         stats = self.last_stats = Stats(n_prompt=len(ids))
         if sched is not None:
-            sched.new_generation(len(ids))
+            sched.new_generation(len(ids), max_tokens)
             judged = list(sched.judged)
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)

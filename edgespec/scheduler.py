@@ -149,6 +149,7 @@ class Scheduler:
     calibration: Calibration = field(default_factory=Calibration)
     _support: int = K_MAX  # the latest draft's support (n-gram match length)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
+    _left: int | None = None  # tokens this generation may still emit (None: unknown)
     _recent: float = 0.5  # this generation's recent first-token hit rate (fast EMA)
     _shadows: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (draft, [n matched])
     _plain_ms: float = 0.0  # plain-step time since the last probe
@@ -192,9 +193,14 @@ class Scheduler:
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         self._rollback = self.cost.t_rollback(self._context)
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
-        gamma, _ = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
-                              t_draft, t_verify, self._rollback)
+        gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
+                                 t_draft, t_verify, self._rollback)
         free = self.free
+        if gamma and not free and self._lag > 1 and self._left is not None and rate > 0:
+            # a drafter that has yet to read the prompt starts only if what the tokens left would
+            # save pays for that reading (a long prompt, a short reply: plain steps)
+            if self.cost.t_catch_up(self._lag) > self._left * (t_verify[1] - 1.0 / rate):
+                gamma = 0
         probe = False
         if gamma == 0 and limit > 0 and not free:
             gamma = self._probe_gamma(limit, t_draft, t_verify)
@@ -273,6 +279,8 @@ class Scheduler:
         The shadow follows the emitted text either way. One is drafted at every plain step, so the
         estimates follow the text as fast as it changes."""
         self._lag += len(tokens)
+        if self._left is not None:
+            self._left = max(0, self._left - len(tokens))
         for j, tok in enumerate(tokens):
             live, model, hit = [], self.acceptance, None
             for draft, seen in self._shadows:  # oldest first: the newest draft sets the run
@@ -289,10 +297,12 @@ class Scheduler:
             if hit is not None:
                 self.run = self.run + 1 if hit else 0
 
-    def new_generation(self, n_prompt: int) -> None:
-        """A new prompt: drop pending shadow drafts, start from the cautious state; a costly drafter
-        has yet to read the prompt (a probe would pay for that)."""
+    def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
+        """A new prompt of n_prompt tokens and a reply of at most max_tokens: drop pending shadow
+        drafts, start from the cautious state; a costly drafter has yet to read the prompt (drafting
+        pays for that)."""
         self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, self._start
+        self._left = max_tokens
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -269,3 +269,12 @@ def test_a_pair_known_to_miss_starts_plain_and_a_compute_bound_target_never_expl
     assert compute_bound.potential(1.0) == 1.0  # γ = 0 is best
     assert compute_bound.acceptance.prior == 0.3  # the cautious run priors: no exploration
     assert _simulate(compute_bound, _ScriptedDrafter(token=0), q4, 6.0, cycles=20) == [0] * 20
+
+
+def test_a_drafter_that_must_first_read_a_long_prompt_starts_only_if_the_reply_pays_for_it():
+    t, sched = _bandwidth_bound()
+    sched.cost.catch_up.add(1.0)  # 1 ms per prompt token the draft model has not read
+    sched.new_generation(n_prompt=2000, max_tokens=64)  # 2 s of reading; 64 tokens save < 0.5 s
+    assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=10) == [0] * 10
+    sched.new_generation(n_prompt=50, max_tokens=64)  # 50 ms of reading: it pays
+    assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] > 0

@@ -73,22 +73,24 @@ class DraftModelDrafter:
                 self._kv.extend(feed)
                 if len(tokens) == 0:  # the next cycle keeps at least the context drafted from
                     self.model.checkpoint()
-                p = process_rows(logits[None], params)[0]
-                q = _fit(p.dense(), self.n_vocab)  # (V_target,)
-                conf.append(confidence(logits, None if params.greedy else q))
+                if params.greedy:  # q is one-hot: no row is built, the argmax among the target's ids
+                    conf.append(confidence(logits, None))
+                    x = int(logits[:self.n_vocab].argmax())
+                else:
+                    p = process_rows(logits[None], params)[0]
+                    q = _fit(p.dense(), self.n_vocab)  # (V_target,)
+                    conf.append(confidence(logits, q))
                 if stop is not None and stop(conf):
                     conf.pop()
                     break
-                if params.greedy:
-                    x = int(np.argmax(q))
-                else:  # q is p itself unless the vocabularies differ in size: then draw from q
+                if not params.greedy:  # q is p itself unless the vocabularies differ in size: then draw from q
                     x = p.sample(rng) if q.shape[0] == p.n_vocab else sample(q, rng)
+                    rows.append(q)
                 tokens.append(x)
-                rows.append(q)
                 feed = [x]
         except ContextOverflowError:
             pass  # draft what fits; the target checks the context limit itself
-        return Draft(tokens, None if params.greedy else np.stack(rows) if rows else None, conf, synced)
+        return Draft(tokens, np.stack(rows) if rows else None, conf, synced)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
         """The scheduler's prior: a draft model pays about its own T(1) per drafted token (timed
