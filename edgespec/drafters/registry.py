@@ -1,6 +1,7 @@
 """The one door to drafters: a drafter spec becomes a Drafter here, with the target it needs.
 
-A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup), a GGUF path or
+A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup),
+"history[:MAX_TOKENS][@CORPUS_FILE]" (lookup in the context, earlier contexts and a corpus), a GGUF path or
 known model name with the target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3
 (general.architecture "eagle3") or DFlash ("dflash"; DSpark when it has the Markov head,
 markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted once against
@@ -214,7 +215,8 @@ def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp",
     """The drafter for `spec` on `target` (a head's target opened by `open_target`).
 
     Args:
-        spec: None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → NgramDrafter; an EAGLE-3
+        spec: None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → NgramDrafter;
+            "history[:MAX_TOKENS][@CORPUS_FILE]" → HistoryDrafter (docs/history.md); an EAGLE-3
             head GGUF → EagleDrafter; a DFlash head GGUF → DFlashDrafter (DSparkDrafter with a
             Markov head); a published head checkpoint directory → its converted GGUF's drafter;
             else a same-vocabulary draft model (DraftModelDrafter) on `backend`.
@@ -236,6 +238,8 @@ def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp",
     text = str(spec)
     if text == "ngram" or text.startswith("ngram:"):
         return _ngram(text)
+    if text == "history" or text.startswith(("history:", "history@")):
+        return _history(text, target)
     spec = _converted(spec, target.path)
     head = read_head(spec)
     if head is not None:
@@ -262,6 +266,30 @@ def _ngram(text: str) -> Drafter:
         return NgramDrafter(*(int(p) for p in parts))
     except ValueError as e:
         raise EdgespecError(f"bad n-gram drafter {text!r}: {e}") from None
+
+
+def _history(text: str, target: Backend) -> Drafter:
+    """A "history[:MAX_TOKENS][@CORPUS_FILE]" spec's HistoryDrafter, its corpus tokenized by the target."""
+    from edgespec.drafters.history import HistoryDrafter
+
+    head, at, corpus = text.partition("@")
+    parts = head.split(":")[1:]
+    if len(parts) > 1 or not all(p.isdigit() for p in parts) or (at and not corpus):
+        raise EdgespecError(f"bad history drafter {text!r}: use 'history', 'history:MAX_TOKENS', 'history@CORPUS_FILE' "
+                            f"or 'history:MAX_TOKENS@CORPUS_FILE' (e.g. history:262144@notes.txt)")
+    docs = []
+    if corpus:
+        path = Path(corpus).expanduser()
+        if not path.is_file():
+            raise EdgespecError(f"history corpus file {corpus} not found")
+        try:
+            docs = [target.tokenize(path.read_text(encoding="utf-8"), add_special=False)]
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"cannot read history corpus file {corpus}: {e}") from None
+    try:
+        return HistoryDrafter(*(int(p) for p in parts), corpus_tokens=docs)
+    except ValueError as e:
+        raise EdgespecError(f"bad history drafter {text!r}: {e}") from None
 
 
 def check_head(head: HeadFile, target: Backend) -> None:
