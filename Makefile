@@ -56,8 +56,15 @@ test-fast: install
 BENCH_ARGS ?= --per-category 2 --repeats 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict
 # name:target:drafter:γ values. Cost profiles first (cached): every target, and gemma3 as the
 # drafter's per-token cost.
+# The second row is the bandwidth-bound regime (F32 targets: T(8) ≈ 1.8·T(1) here, a laptop GPU's curve).
 BENCH_PAIRS := smollm2-ngram:smollm2:ngram:auto,4,8,12 gemma3-ngram:gemma3:ngram:auto,4,8,12 \
-               gemma3-f16-draft:gemma3-f16:gemma3:auto,2,4 gemma3-q8_0-draft:gemma3-q8_0:gemma3:auto,2,4
+               gemma3-f16-draft:gemma3-f16:gemma3:auto,2,4 gemma3-q8_0-draft:gemma3-q8_0:gemma3:auto,2,4 \
+               smollm2-f32-ngram:smollm2-f32:ngram:auto,4,8 smollm2-f32-draft:smollm2-f32:smollm2:auto,3,5 \
+               gemma3-f32-draft:gemma3-f32:gemma3:auto,3,5
+# Spec-Bench (edgespec/bench/spec_bench, all six categories), -k auto and one fixed γ, in both regimes.
+SPEC_ARGS ?= --suite spec-bench --per-category 2 --max-tokens 96 --temp 0 --temp 0.7 --no-strict --ctx 4096
+SPEC_PAIRS := smollm2-ngram:smollm2:ngram:auto,8 smollm2-f32-ngram:smollm2-f32:ngram:auto,8 \
+              smollm2-f32-draft:smollm2-f32:smollm2:auto,3 gemma3-f32-draft:gemma3-f32:gemma3:auto,3
 bench: models
 	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
 	@set -e; printf '# edgespec benchmark results\n\nMade by `make bench` (%s). Each section is one `edgespec bench` run;\nits command is in the section.\n\n' "$$(date -u +%F)" > bench/RESULTS.md; \
@@ -68,6 +75,13 @@ bench: models
 	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $(BENCH_ARGS) --out bench/results/$$name; \
 	  sed -e 's|^# |## |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
 	    bench/results/$$name/results.md >> bench/RESULTS.md; \
+	done; \
+	for spec in $(SPEC_PAIRS); do \
+	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; rest=$${rest#*:}; drafter=$${rest%%:*}; \
+	  ks=$$(echo $${rest#*:} | sed 's/,/ -k /g'); \
+	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $(SPEC_ARGS) --out bench/results/spec-bench/$$name; \
+	  sed -e 's|^# |## Spec-Bench: |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/spec-bench/$$name/\1)|" \
+	    bench/results/spec-bench/$$name/results.md >> bench/RESULTS.md; \
 	done
 
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
@@ -80,8 +94,14 @@ anchor: models
 	  --n-max 0 --n-max 4 --n-max 8 --n-max 12 $(ANCHOR_ARGS) --out bench/results/smollm2-ngram/native_anchor.json; \
 	$(BIN)/python bench/anchors/native.py --target $$M/gemma-3-270m-f16.gguf --drafter $$M/gemma-3-270m-q4_k_m.gguf \
 	  --edgespec-auto --n-max 0 --n-max 2 --n-max 4 --n-max 8 $(ANCHOR_ARGS) --out bench/results/gemma3-f16-draft/native_anchor.json; \
+	for pair in smollm2-f32-draft:SmolLM2-135M-Instruct.F32.gguf:SmolLM2-135M-Instruct.Q4_1.gguf \
+	            gemma3-f32-draft:gemma-3-270m-f32.gguf:gemma-3-270m-q4_k_m.gguf; do \
+	  name=$${pair%%:*}; rest=$${pair#*:}; \
+	  $(BIN)/python bench/anchors/native.py --target $$M/$${rest%%:*} --drafter $$M/$${rest#*:} --edgespec-auto \
+	    --n-max 0 --n-max 3 --n-max 5 $(ANCHOR_ARGS) --out bench/results/$$name/native_anchor.json; \
+	done; \
 	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> bench/RESULTS.md; \
-	for pair in smollm2-ngram gemma3-f16-draft; do \
+	for pair in smollm2-ngram gemma3-f16-draft smollm2-f32-draft gemma3-f32-draft; do \
 	  printf '### %s\n\n' $$pair >> bench/RESULTS.md; \
 	  $(BIN)/python bench/anchors/compare.py bench/results/$$pair/native_anchor.json >> bench/RESULTS.md; \
 	  echo >> bench/RESULTS.md; \

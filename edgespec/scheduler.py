@@ -17,7 +17,7 @@ plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
 small time budget.
 
-A costly drafter the cost model says could win big (≥ EXPLORE_GAIN × plain at PROBE_ACCEPTANCE:
+A costly drafter the cost model says could win big (≥ EXPLORE_GAIN × plain at EXPLORE_ACCEPTANCE:
 a same-family draft model on a bandwidth-bound target) is not left to probes: it starts from what
 earlier generations of the same (target, drafter) pair learned (`prior`, kept on disk by the
 engine), or, never seen, from an optimistic prior worth a few verified positions, so it drafts from
@@ -46,7 +46,8 @@ MAX_SHADOWS = 16  # shadow drafts being scored at once
 RECENT = 0.3  # weight of the newest first-token outcome in the recent hit rate
 SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
 RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0, 1, 2-3, 4-7, 8-15, 16+ hits
-EXPLORE_GAIN = 1.1  # a costly drafter that would beat plain steps by this much at PROBE_ACCEPTANCE is tried at once
+EXPLORE_ACCEPTANCE = 0.95  # what a same-family draft model reaches (greedy): the optimistic prior
+EXPLORE_GAIN = 1.02  # a costly drafter that would beat plain steps at EXPLORE_ACCEPTANCE (by this much) is tried at once
 EXPLORE_STRENGTH = 3.0  # weight, in verified positions, of the prior it starts from
 
 
@@ -162,12 +163,12 @@ class Scheduler:
     judged: list[float] = field(default_factory=lambda: [0.0, 0.0])  # verified draft positions: [passed, judged]
 
     def __post_init__(self) -> None:
-        if not self.free and self.potential() >= EXPLORE_GAIN:
-            p0 = PROBE_ACCEPTANCE if self.prior is None else self.prior
+        if not self.free and self.potential(EXPLORE_ACCEPTANCE) >= EXPLORE_GAIN:
+            p0 = EXPLORE_ACCEPTANCE if self.prior is None else self.prior
             self.by_run = [Acceptance(p0, strength=EXPLORE_STRENGTH) for _ in RUN_PRIORS]
             self._recent = self._start = p0
 
-    def potential(self, acceptance: float = PROBE_ACCEPTANCE) -> float:
+    def potential(self, acceptance: float) -> float:
         """The speedup over plain steps the cost model gives a drafter with this i.i.d. acceptance."""
         t_verify = self.cost.t_verify()
         _, rate = best_gamma([acceptance ** i for i in range(1, K_MAX)], self.cost.t_draft(), t_verify)

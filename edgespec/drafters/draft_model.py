@@ -93,13 +93,14 @@ class DraftModelDrafter:
         return Draft(tokens, np.stack(rows) if rows else None, conf, synced)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
-        """The scheduler's prior: a draft model pays about its own T(1) per drafted token (timed
-        once per model and cached with its cost profile)."""
+        """The scheduler's prior: a draft model pays about its own T(1) per drafted token, and once
+        per cycle T(2) − T(1) more, for reading the previous cycle's last draft with the bonus token
+        in its first step (timed once per model and cached with its cost profile)."""
         from edgespec import calibration
 
-        t1 = calibration.calibrate(self.model, ks=(1,), budget_s=0.5, note=note)[1]
+        t = calibration.calibrate(self.model, ks=(1, 2), budget_s=0.5, note=note)
         self.reset()  # timing used the draft model's KV cache
-        return DraftCost(0.0, t1)
+        return DraftCost(max(0.0, t[2] - t[1]), t[1])
 
     def reset(self) -> None:
         """Forget the cached context (after something else used the model's KV cache)."""
