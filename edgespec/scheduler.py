@@ -42,6 +42,7 @@ __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "Robus
 FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
+PROBE_SHARE = 0.25  # a drafter that could win g× may lose this × (g − 1) of plain-step time on probes
 MAX_SHADOWS = 16  # shadow drafts being scored at once
 RECENT = 0.3  # weight of the newest first-token outcome in the recent hit rate
 SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
@@ -163,10 +164,19 @@ class Scheduler:
     judged: list[float] = field(default_factory=lambda: [0.0, 0.0])  # verified draft positions: [passed, judged]
 
     def __post_init__(self) -> None:
-        if not self.free and self.potential(EXPLORE_ACCEPTANCE) >= EXPLORE_GAIN:
-            p0 = EXPLORE_ACCEPTANCE if self.prior is None else self.prior
-            self.by_run = [Acceptance(p0, strength=EXPLORE_STRENGTH) for _ in RUN_PRIORS]
-            self._recent = self._start = p0
+        self._explore = not self.free and self.potential(EXPLORE_ACCEPTANCE) >= EXPLORE_GAIN
+        if self._explore:
+            self._start_from(self.long_run())
+
+    def long_run(self) -> float:
+        """The pair's acceptance over every verified position so far, with the prior worth a few."""
+        p0 = EXPLORE_ACCEPTANCE if self.prior is None else self.prior
+        return (self.judged[0] + EXPLORE_STRENGTH * p0) / (self.judged[1] + EXPLORE_STRENGTH)
+
+    def _start_from(self, p0: float) -> None:
+        """Every run bucket and the recent hit rate start from acceptance p0, worth a few positions."""
+        self.by_run = [Acceptance(p0, strength=EXPLORE_STRENGTH) for _ in RUN_PRIORS]
+        self._recent = self._start = p0
 
     def potential(self, acceptance: float) -> float:
         """The speedup over plain steps the cost model gives a drafter with this i.i.d. acceptance."""
@@ -304,6 +314,8 @@ class Scheduler:
         pays for that)."""
         self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, self._start
         self._left = max_tokens
+        if self._explore:  # each text starts from the pair's long-run acceptance, not from how the
+            self._start_from(self.long_run())  # last one ended: one bad stretch must not switch it off
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -331,12 +343,16 @@ class Scheduler:
 
     def _probe_gamma(self, limit: int, t_draft: Sequence[float], t_verify: Sequence[float]) -> int:
         """A probe's γ if its turn has come: what would win at PROBE_ACCEPTANCE, once plain steps
-        have run long enough that the probe's expected loss fits PROBE_BUDGET of their time."""
+        have run long enough that the probe's expected loss fits PROBE_BUDGET of their time (a drafter
+        that could win g× at the pair's long-run acceptance: PROBE_SHARE·(g − 1), when larger)."""
         g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify,
                               self._rollback)
         g = max(g_opt, 1)
         survival = self._survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, self._rollback)
                 - (1.0 + sum(survival[:g])) * t_verify[1] + self.cost.t_catch_up(self._lag))
-        budget = PROBE_BUDGET if g_opt > 0 else PROBE_BUDGET / 10
+        budget = PROBE_BUDGET
+        if self._explore:  # what the drafter has shown it could win sizes what probes may lose
+            budget = max(budget, PROBE_SHARE * (self.potential(self.long_run()) - 1.0))
+        budget = budget if g_opt > 0 else budget / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0

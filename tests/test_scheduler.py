@@ -196,8 +196,8 @@ def test_a_probe_pays_for_the_context_the_drafter_missed():
     t = _linear(10.0, 2.0)
 
     def probes(catch_up_ms_per_token: float) -> int:
-        sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=6.0))
-        sched.by_run = [Acceptance(prior=0.05) for _ in range(6)]  # speculation loses: plain steps
+        sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=6.0),
+                          prior=0.05)  # a pair known to miss: plain steps
         sched.cost.catch_up.add(catch_up_ms_per_token)
         sched.new_generation(n_prompt=500)  # a prompt the draft model has not read
         return sum(g > 0 for g in _simulate(sched, _ScriptedDrafter(token=7), t, 6.0, cycles=300))
@@ -278,3 +278,26 @@ def test_a_drafter_that_must_first_read_a_long_prompt_starts_only_if_the_reply_p
     assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=10) == [0] * 10
     sched.new_generation(n_prompt=50, max_tokens=64)  # 50 ms of reading: it pays
     assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] > 0
+
+
+def test_a_good_pair_that_hits_a_bad_stretch_comes_back():
+    """A costly drafter right 95% of the time over many positions, then wrong for a stretch: the
+    probe budget follows what the pair has shown it could win, so it is probed back within a few
+    dozen plain steps, and the next text starts from the pair's long-run acceptance."""
+    t, sched = _bandwidth_bound()
+    sched.judged = [950.0, 1000.0]
+    gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=20)  # a bad stretch
+    assert gammas[0] > 0 and 0 in gammas
+    back = _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=150)  # the text turns predictable
+    first = next(i for i, g in enumerate(back) if g > 0)
+    assert first <= 60 and sum(g > 0 for g in back[first:]) >= 0.9 * (150 - first)
+    sched.new_generation(n_prompt=10)
+    assert sched.acceptance.rates[0] > 0.9
+
+
+def test_a_weak_pair_keeps_the_small_probe_budget():
+    t, sched = _bandwidth_bound()
+    sched.judged = [100.0, 1000.0]  # right 10% of the time: at that rate it could never win
+    sched.new_generation(n_prompt=10)
+    gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=300)
+    assert sum(g > 0 for g in gammas) <= 5
