@@ -114,9 +114,10 @@ class Calibration:
         self.hits, self.tries = np.zeros(10), np.zeros(10)
         self.strength, self.decay = strength, decay
 
-    def __call__(self, c: float) -> float:
+    def __call__(self, c: float, prior: float | None = None) -> float:
+        """P(accept | c): the bin's counts, with `prior` (default c) worth `strength` of them."""
         b = min(int(c * 10), 9)
-        return (self.hits[b] + self.strength * c) / (self.tries[b] + self.strength)
+        return (self.hits[b] + self.strength * (c if prior is None else prior)) / (self.tries[b] + self.strength)
 
     def observe(self, confidence: Sequence[float], accepted: int) -> None:
         for i, c in enumerate(confidence[: accepted + 1]):
@@ -161,6 +162,7 @@ class Scheduler:
     _context: int | None = None  # tokens in the target's cache at the latest draft() call
     _rollback: list[float] | None = None  # the cost model's T_rollback at the latest draft() call
     _start: float = 0.5  # the recent first-token hit rate a generation starts from
+    _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
     judged: list[float] = field(default_factory=lambda: [0.0, 0.0])  # verified draft positions: [passed, judged]
 
     def __post_init__(self) -> None:
@@ -199,6 +201,7 @@ class Scheduler:
               rng: np.random.Generator) -> tuple[Draft, Decision]:
         """Draft for one cycle; at most `limit` (< K_MAX) tokens are kept."""
         t0 = time.perf_counter()
+        self._sampled = not params.greedy
         limit = min(limit, K_MAX - 1)
         self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
@@ -325,8 +328,9 @@ class Scheduler:
         capped by the recent first-token hit rate)."""
         a = list(self.acceptance.rates)
         a[0] = min(a[0], self._recent)  # the run's model must agree with how this text is going
-        if confidence is not None:
-            a[:n] = [self.calibration(c) for c in confidence[:n]]
+        if confidence is not None:  # a sampled draft passes with Σ min(p, q), high for a close drafter
+            # however flat q is: there a bin not yet seen starts from the position's rate, not from c
+            a[:n] = [self.calibration(c, a[i] if self._sampled else None) for i, c in enumerate(confidence[:n])]
         out, s = [], 1.0
         for x in a:
             s *= x

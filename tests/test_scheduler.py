@@ -301,3 +301,18 @@ def test_a_weak_pair_keeps_the_small_probe_budget():
     sched.new_generation(n_prompt=10)
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=300)
     assert sum(g > 0 for g in gammas) <= 5
+
+
+def test_a_flat_sampled_draft_is_not_cut_by_its_confidence_before_the_bin_is_seen():
+    """Sampled: a draft token passes with Σ min(p, q), which is high for a close drafter however flat
+    q is, so a bin never seen starts from the position's rate; greedy keeps confidence as the prior."""
+    t = _linear(10.0, 0.5)
+    drafter = _ScriptedDrafter(token=0, confidence=[0.3] * K_MAX)
+    lengths = {}
+    for params in (SamplingParams(0.7), GREEDY):
+        sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.0))
+        sched.by_run = [Acceptance(prior=0.95) for _ in range(6)]
+        sched._recent = 0.95
+        d, _ = sched.draft(drafter, [1, 2, 3], K_MAX - 1, params, np.random.default_rng(0))
+        lengths[params.greedy] = len(d.tokens)
+    assert lengths == {False: 4, True: 2}  # sampled: the slow-start cap; greedy: cut by confidence 0.3
