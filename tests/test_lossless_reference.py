@@ -31,7 +31,7 @@ def fixed_costs(monkeypatch):
     from edgespec.scheduler import CostModel
 
     monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {
-        k: 0.05 if tuple(ks) == (1,) else 1 + 0.1 * (k - 1) for k in ks})
+        k: 0.05 if tuple(ks) != profile.CALIBRATION_KS else 1 + 0.1 * (k - 1) for k in ks})  # a drafter: 0.05
     monkeypatch.setattr(profile, "context_cost", lambda backend, **kw: 0.0)
     monkeypatch.setattr(CostModel, "observe_verify", lambda self, *args: None)
     monkeypatch.setattr(CostModel, "observe_draft", lambda self, *args: None)

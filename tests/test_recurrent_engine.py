@@ -53,7 +53,7 @@ def fixed_costs(monkeypatch):
     monkeypatch.setattr(CostModel, "t_rollback", lambda self, context=None: [0.1] * 16)
 
     monkeypatch.setattr(calibration, "calibrate", lambda backend, ks=calibration.CALIBRATION_KS, **kw: {
-        k: 0.05 if tuple(ks) == (1,) else 1 + 0.1 * (k - 1) for k in ks})
+        k: 0.05 if tuple(ks) != calibration.CALIBRATION_KS else 1 + 0.1 * (k - 1) for k in ks})  # a drafter: 0.05
     monkeypatch.setattr(calibration, "context_cost", lambda backend, **kw: 0.0)
     monkeypatch.setattr(CostModel, "observe_verify", lambda self, *args: None)
     monkeypatch.setattr(CostModel, "observe_draft", lambda self, *args: None)

@@ -62,13 +62,19 @@ def _check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _parse_line(line: str, where: str) -> Task:
+def json_object(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as an object, or an EdgespecError naming `where` (file:line) and the problem."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as err:
         raise EdgespecError(f"{where}: bad JSON: {err.msg} (column {err.colno})") from None
     if not isinstance(obj, dict):
         raise EdgespecError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parse_line(line: str, where: str) -> Task:
+    obj = json_object(line, where)
     missing = [k for k in _KEYS if k not in obj]
     if missing:
         raise EdgespecError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")

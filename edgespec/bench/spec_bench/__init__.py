@@ -25,13 +25,12 @@ so with n=8 multi_turn takes one question of each MT-bench category.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgespec.bench.tasks import Task
+from edgespec.bench.tasks import Task, json_object
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
@@ -52,12 +51,7 @@ MAX_TOKENS = 128
 
 
 def _task(line: str, where: str) -> Task:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise EdgespecError(f"{where}: bad JSON: {err.msg} (column {err.colno})") from None
-    if not isinstance(row, dict):
-        raise EdgespecError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    row = json_object(line, where)
     qid, category, turns = row.get("question_id"), row.get("category"), row.get("turns")
     if not isinstance(qid, int) or isinstance(qid, bool):
         raise EdgespecError(f"{where}: 'question_id' must be an integer (got {qid!r:.60})")
