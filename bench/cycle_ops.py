@@ -42,7 +42,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, backend, tokens, rows in (("d1 alone", drafter, [5], "last"), ("d2 alone", drafter, [5, 6], "last"),
                                             ("t1 alone", target, [5], "all"), ("t4 alone", target, [5, 6, 7, 8], "all")):
-            timed(name, lambda: backend.eval(tokens, rows=rows))
+            timed(name, lambda b=backend, t=tokens, r=rows: b.eval(t, rows=r))
             backend.truncate(CACHED)
         # one cycle, in order: the drafter's first step (2 tokens), two more steps, verification
         timed("d2 after the target", lambda: drafter.eval([5, 6], rows="last"))
