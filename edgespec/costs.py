@@ -138,8 +138,10 @@ class CostModel:
         return t_mean - slope * g_mean, slope
 
     def t_catch_up(self, n: int) -> float:
-        """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token)."""
-        return n * (self.catch_up.value if self.catch_up.n else self._draft[1] / 4)
+        """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token,
+        never dearer than a drafted token: a fresh context's first forward also pays its set-up)."""
+        per_token = self._draft[2] - self._draft[1]
+        return n * (min(self.catch_up.value, per_token) if self.catch_up.n else per_token / 4)
 
     def t_verify(self, context: int | None = None) -> list[float]:
         """[k] = expected ms of a k-token verification after `context` cached tokens (None:

@@ -316,3 +316,10 @@ def test_a_flat_sampled_draft_is_not_cut_by_its_confidence_before_the_bin_is_see
         d, _ = sched.draft(drafter, [1, 2, 3], K_MAX - 1, params, np.random.default_rng(0))
         lengths[params.greedy] = len(d.tokens)
     assert lengths == {False: 4, True: 2}  # sampled: the slow-start cap; greedy: cut by confidence 0.3
+
+
+def test_catch_up_is_never_priced_above_a_drafted_token():
+    cost = CostModel({1: 10.0, 2: 11.0}, draft_per_token_ms=4.0, draft_fixed_ms=2.0)
+    assert cost.t_catch_up(100) == pytest.approx(100.0)  # the prior: a quarter of a drafted token
+    cost.observe_draft(1, 6.0 + 30 * 12.0, synced=30)  # a fresh context's first read: set-up included
+    assert cost.t_catch_up(100) == pytest.approx(400.0)  # capped at 4 ms a token
