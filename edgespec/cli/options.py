@@ -90,7 +90,7 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "target": (("--target",), "Target model: GGUF path or known name (default: smollm2; see `edgespec models list`); "
                                "with --backend mlx also an mlx-lm model directory."),
     "drafter": (("--drafter",), "Drafter: 'ngram' (prompt lookup; 'ngram:N_MAX:N_MIN' sets the n-gram sizes, default 4:2), "
-                                "'history' (lookup in earlier prompts and replies too: 'history[:MAX_TOKENS][@CORPUS]'), "
+                                "'history' (lookup in earlier prompts and replies too: 'history\\[:MAX_TOKENS]\\[@CORPUS]'), "  # \[: not rich markup
                                 "a same-vocabulary GGUF path or model name, "
                                 "a head GGUF (EAGLE-3, DFlash, DSpark), or 'none'."),
     "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
