@@ -28,11 +28,11 @@ from edgespec.server import Defaults, Server
 
 pytestmark = pytest.mark.real  # the fixtures copy the fetched SmolLM2's tokenizer
 
-N_CTX = 1024
+N_CTX = 4096
 CHATS = [[{"role": "user", "content": "Write a haiku about the sea."}],
          [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
-LONG = 900  # tokens: a generation that runs for seconds, to be interrupted
+LONG = 3600  # tokens: a generation that runs for seconds (~1 ms a token on the tiny pair), to be interrupted
 
 
 def _load(target: Path, drafter: str | None) -> Engine:
