@@ -18,7 +18,8 @@ from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 import edgespec
 from edgespec.backends.reference import ReferenceFeatureBackend
 from edgespec.drafters.dflash import DFlashDrafter
-from edgespec.drafters.registry import head_arch, open_backend, open_drafter, open_target
+from edgespec.drafters.heads import head_arch
+from edgespec.drafters.registry import open_backend, open_drafter, open_target
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors

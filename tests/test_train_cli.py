@@ -146,7 +146,7 @@ def test_train_head_dflash_then_dspark(tmp_path: Path, smollm2_path: Path) -> No
     --kind dspark on it (same work dir: the feature cache is reused) adds only the Markov and
     confidence tensors."""
     pytest.importorskip("torch")
-    from edgespec.drafters.registry import head_arch
+    from edgespec.drafters.heads import head_arch
     from edgespec.gguf_file import read_gguf
     from edgespec.heads.dflash_gguf import read_dflash_gguf
 

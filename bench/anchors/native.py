@@ -71,7 +71,7 @@ def native_flags(args: argparse.Namespace, target: str, drafter: str, n_max: int
         flags += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(min(args.ngram_n, n_max)),
                   "--spec-ngram-simple-size-m", str(n_max), "--spec-ngram-simple-min-hits", "1"]
     else:
-        from edgespec.drafters.registry import head_arch
+        from edgespec.drafters.heads import head_arch
         from edgespec.gguf_file import read_gguf
 
         arch = head_arch(drafter)  # a DFlash file with DSpark's Markov head runs as draft-dspark

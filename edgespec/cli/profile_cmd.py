@@ -41,7 +41,8 @@ def profile(
         save_profile,
         time_forward,
     )
-    from edgespec.drafters.registry import is_feature_head, open_backend, open_drafter, open_target
+    from edgespec.drafters.heads import is_feature_head
+    from edgespec.drafters.registry import open_backend, open_drafter, open_target
     from edgespec.engine import Engine
 
     threads = threads or default_threads()
