@@ -5,8 +5,8 @@ SmolLM2's 49k vocabulary, Gemma-3's 262k) and LM-like synthetic rows for 128k an
 bulk under a peaked head: a nucleus of ~10 tokens at T 0.7, top-p 0.95). Per vocabulary, γ and
 parameter set it times, one thread, medians of alternating repeats:
 
-- `process` of the γ+1 rows, before (bench/host_oracle.py: one row at a time, float64 softmax)
-  and after (edgespec.sampling.process_rows);
+- `process` of the γ+1 rows, before (edgespec/sampling.py at d32baf2, read from git: one row at
+  a time, float64 softmax) and after (edgespec.sampling.process_rows);
 - `verify` with a one-hot q (n-gram) and with a full q (a draft model), every draft accepted
   (the most rows a cycle can process);
 - a draft model's sampling of one token (`Chain.step`, as the neural drafters draw);
@@ -17,10 +17,10 @@ a few µs) with the n-gram drafter: the loop's own µs per cycle and per token, 
 
     .venv/bin/python bench/host.py --out bench/results/host/
 
-Writes host.md (tables) and host.json. `--loop-only` times just the loop (run it from an older
-checkout for its "before" numbers). `--against REV` makes "before" edgespec/sampling.py and
-verify.py as committed at REV (git) instead of the pre-#23 oracle, and `--only` times the named
-vocabularies / parameter sets alone:
+Writes host.md (tables) and host.json. Needs a git checkout: "before" is edgespec/sampling.py and
+verify.py as committed at a revision, d32baf2 (the row-at-a-time code, also tests/host_oracle.py)
+unless `--against REV` names another. `--loop-only` times just the loop (run it from an older
+checkout for its "before" numbers), and `--only` times the named vocabularies / parameter sets alone:
 
     .venv/bin/python bench/host.py --against HEAD --only "152k synthetic" --out /tmp/host-ab
 """
@@ -50,8 +50,7 @@ from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
 from edgespec.engine import Engine  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import host_oracle as old  # noqa: E402  (the "before" column; --against replaces it)
+ROW_AT_A_TIME = "d32baf2"  # the last revision that processed one row at a time (tests/host_oracle.py)
 
 PARAMS = {
     "greedy": SamplingParams(),
@@ -175,11 +174,11 @@ def cycle_times(rows: np.ndarray, q_logits: np.ndarray, params: SamplingParams, 
     one_hot = [int(np.argmax(r)) for r in rows[:gamma]]
     sampled = [int(np.argmax(r)) for r in q]
     p_old, p_new = paired_ms(partial(old_process_rows, rows, params), partial(new_process_rows, rows, params), repeats)
-    if params.greedy and isinstance(old, Revision):
+    if params.greedy and old.rev != ROW_AT_A_TIME:
         v_old, v_new = paired_ms(partial(old.verify.verify, rows, one_hot, None, params, AcceptAll()),
                                  partial(verify, rows, one_hot, None, params, AcceptAll()), repeats)
         f_old, f_new = v_old, v_new
-    elif params.greedy:  # verify_greedy is unchanged since the oracle: the argmax of each row
+    elif params.greedy:  # verify_greedy is unchanged since d32baf2: the argmax of each row
         v_old = v_new = f_old = f_new = median_ms(partial(verify, rows, one_hot, None, params, AcceptAll()), repeats)
     else:
         v_old, v_new = paired_ms(partial(old.verify_stochastic, rows, one_hot, None, params, AcceptAll()),
@@ -192,16 +191,19 @@ def cycle_times(rows: np.ndarray, q_logits: np.ndarray, params: SamplingParams, 
 
 
 def old_process_rows(rows: np.ndarray, params: SamplingParams) -> list:
-    if isinstance(old, Revision):  # the revision's own process_rows, as "after" is timed
-        return list(old.sampling.process_rows(rows, params))
+    batched = getattr(old.sampling, "process_rows", None)
+    if batched is not None:  # the revision's own process_rows, as "after" is timed
+        return list(batched(rows, params))
     return [old.process(r, params) for r in rows]
 
 
 class Revision:
-    """edgespec/sampling.py and verify.py as committed at a git revision, standing in for the
-    oracle as the "before" column (their `process`, `verify_stochastic`, `sample`)."""
+    """edgespec/sampling.py and verify.py as committed at a git revision: the "before" column
+    (their `process`, `verify_stochastic`, `sample`)."""
 
     def __init__(self, rev: str) -> None:
+        self.rev = rev
+
         def module(path: str, name: str, source: str) -> types.ModuleType:
             mod = sys.modules[name] = types.ModuleType(name)
             exec(compile(source, f"{rev}:{path}", "exec"), mod.__dict__)
@@ -221,6 +223,9 @@ class Revision:
 
     def verify_stochastic(self, *args) -> tuple[int, int]:
         return self.verify.verify(*args)
+
+
+old: Revision  # the "before" column, set in main()
 
 
 def new_process_rows(rows: np.ndarray, params: SamplingParams) -> list:
@@ -364,8 +369,7 @@ def main() -> None:
     global old, CLOCK
     if args.cpu:
         CLOCK = time.thread_time
-    if args.against:
-        old = Revision(args.against)
+    old = Revision(args.against or ROW_AT_A_TIME)
     if args.only:
         for label in [k for k in PARAMS if k not in args.only and any(o in PARAMS for o in args.only)]:
             del PARAMS[label]
@@ -382,7 +386,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
     write(args.out, host, loop, dict(date=time.strftime("%Y-%m-%d %H:%M"), cpu=cpu, repeats=args.repeats,
-                                     load=os.getloadavg()[0], before=args.against or "bench/host_oracle.py",
+                                     load=os.getloadavg()[0], before=args.against or f"{ROW_AT_A_TIME} (row at a time)",
                                      clock="thread CPU time" if args.cpu else "wall clock",
                                      command=" ".join(sys.argv)))
 

@@ -1,15 +1,10 @@
-"""bench/anchors/compare.py's paired table (rows of `native.py --edgespec-auto`)."""
+"""edgespec.bench.anchor_compare's paired table (rows of `bench/anchors/native.py --edgespec-auto`)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("anchor_compare", Path(__file__).parents[1] / "bench/anchors/compare.py")
-compare = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(compare)
+from edgespec.bench import anchor_compare as compare
 
 
 def _rows(task: str, cat: str, rep: int, speeds: dict, over: int = 0) -> list[dict]:

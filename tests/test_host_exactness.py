@@ -1,6 +1,6 @@
 """The fast host path (process_rows, Dist, sample_weights, verify) against the code it replaced.
 
-The oracle is bench/host_oracle.py, the pre-#23 implementation kept unchanged: same kept set on
+The oracle is host_oracle.py, the row-at-a-time implementation kept unchanged: same kept set on
 every row, kept probabilities within 1e-12 (relative), and an unrestricted float32 softmax within
 the bound process_rows states, 2⁻²³·(21 + |z|) relative. Rows: LM-like synthetic ones of 49k–262k
 ids here; recorded rows of every fetched model in the `real` test.
@@ -8,23 +8,31 @@ ids here; recorded rows of every fetched model in the `real` test.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+import host_oracle as old
 import numpy as np
 import pytest
 
 from edgespec.sampling import SamplingParams, process, process_rows, sample_weights
 from edgespec.verify import verify_stochastic
 
-SPEC = importlib.util.spec_from_file_location("bench_host_oracle", Path(__file__).parents[1] / "bench/host_oracle.py")
-old = sys.modules["bench_host_oracle"] = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(old)
-
 PARAMS = [SamplingParams(0.7), SamplingParams(0.7, top_p=0.95), SamplingParams(0.7, top_k=40, top_p=0.95),
           SamplingParams(0.7, min_p=0.05), SamplingParams(1.0, top_k=40), SamplingParams(0.7, top_p=0.5, min_p=0.02),
           SamplingParams(1.3, top_p=0.99), SamplingParams()]
+
+
+PROMPT = ("The committee met on Tuesday to discuss the budget. After a long debate about the new library, "
+          "the members agreed that the town should")
+
+
+def recorded_rows(path: Path, n: int) -> np.ndarray:
+    """(n, V) float32 logits the model gives after the first tokens of PROMPT (llama.cpp backend)."""
+    from edgespec.drafters.registry import open_backend
+
+    with open_backend(str(path), n_ctx=256, threads=1) as b:
+        ids = b.tokenize(PROMPT)[: n + 4]
+        return np.ascontiguousarray(b.eval(ids, rows="all")[-n:], dtype=np.float32)
 
 
 def lm_rows(n_vocab: int, n: int, seed: int) -> np.ndarray:
@@ -125,10 +133,7 @@ def test_verify_emits_what_the_old_verify_emits(one_hot):
 @pytest.mark.real
 def test_recorded_rows_of_every_fetched_model(smollm2_path, gemma_q4_path, gemma_q8_path, gemma_f16_path):
     """Recorded logits of every fetched model: the new process equals the old on each parameter set."""
-    spec = importlib.util.spec_from_file_location("bench_host", Path(__file__).parents[1] / "bench/host.py")
-    host = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host)
     for path in (smollm2_path, gemma_q4_path, gemma_q8_path, gemma_f16_path):
-        x = host.recorded_rows(path, n=9)
+        x = recorded_rows(path, n=9)
         for params in PARAMS:
             assert_same(x, params)

@@ -1,16 +1,10 @@
-"""bench/replay.py: modeled replays of greedy outputs (no model needed)."""
+"""edgespec.bench.replay: modeled replays of greedy outputs (no model needed)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_replay", Path(__file__).parents[1] / "bench/replay.py")
-replay = sys.modules["bench_replay"] = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(replay)
+from edgespec.bench import replay
 
 T = [0.0] + [0.9 + 0.1 * k for k in range(1, 17)]  # T(k) = 0.9 + 0.1·k: T(1) = 1
 OUT = list(range(100, 140))  # 40 tokens, each once

@@ -21,7 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+
+# The first prompts of tests/real_prompts.py (plain text: the Gemma target is a base model).
+PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time, in a village between two rivers, there lived",
+]
 
 
 def main() -> None:
@@ -30,14 +37,14 @@ def main() -> None:
     ap.add_argument("--drafter", default="gemma3")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-draft", type=int, default=3, help="γ for both loops (mlx-lm's num_draft_tokens)")
-    ap.add_argument("--prompts", type=int, default=2, help="how many of the real-test prompts")
+    ap.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1),
+                    help="how many of the prompts")
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.utils import load_model
-    from real_prompts import PROMPTS
 
     import edgespec
     from edgespec.backends.mlx import mlx_model_dir

@@ -9,7 +9,8 @@ beside `edgespec bench`. Build the binary first with bench/anchors/build.sh.
 
 `--n-max 0` runs the same native loop with a drafter that never drafts (plain decoding baseline).
 `--edgespec-auto` also runs edgespec `-k auto` on the same pair, right after the native runs of the
-same task and repeat, so that `compare.py --paired` can divide speeds measured seconds apart.
+same task and repeat, so that `python -m edgespec.bench.anchor_compare FILE.json` can divide
+speeds measured seconds apart.
 """
 
 from __future__ import annotations

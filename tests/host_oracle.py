@@ -1,7 +1,8 @@
-"""The host path as it was before issue #23: `process` one row at a time with a float64 softmax
-over the whole vocabulary, and `verify_stochastic` built on it. Kept, unchanged, as the oracle the
-new implementation is tested against (tests/test_host_exactness.py) and as the "before" column of
-bench/host.py. Not part of the runtime: nothing under edgespec/ imports it."""
+"""The host path as it was before the batched one (edgespec/sampling.py and verify.py at d32baf2):
+`process` one row at a time with a float64 softmax over the whole vocabulary, and
+`verify_stochastic` built on it. Kept, unchanged, as the oracle the current implementation is
+tested against (test_host_exactness.py). bench/host.py times the same code as its default "before"
+column by reading d32baf2 from git."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.sampling import SamplingParams, sample  # sample: unchanged by #23
+from edgespec.sampling import SamplingParams, sample  # sample: unchanged since d32baf2
 
 _NUCLEUS_PROBE = 512
 
 
 def process(logits: npt.NDArray[np.floating], params: SamplingParams) -> npt.NDArray[np.float64]:
-    """One row of logits (V,) → the processed probabilities (V,) float64 (the pre-#23 code)."""
+    """One row of logits (V,) → the processed probabilities (V,) float64 (the d32baf2 code)."""
     x = np.asarray(logits)
     n_vocab = x.shape[0]
     if params.greedy:
@@ -65,7 +66,7 @@ def _nucleus_order(pk: npt.NDArray[np.float64], top_p: float,
 
 def verify_stochastic(logits: npt.NDArray[np.floating], draft: Sequence[int], q: npt.NDArray[np.float64] | None,
                       params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
-    """Rejection sampling with rows processed one by one up to the first rejection (the pre-#23 code)."""
+    """Rejection sampling with rows processed one by one up to the first rejection (the d32baf2 code)."""
     for i, x in enumerate(draft):
         p = process(logits[i], params)
         q_x = 1.0 if q is None else float(q[i, x])

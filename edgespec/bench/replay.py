@@ -20,7 +20,10 @@ Speedup = Σ T(1, context) over the tokens / Σ T(γ+1, context) over the cycles
 T(k, c) = T(k) + k · ctx_us · (c − 64). It is a model without the machine's noise, so policies
 compare exactly; `--ctx-us 0` drops the context term (T(k) as profiled).
 
-    .venv/bin/python bench/replay.py --target smollm2 --per-category 10 --max-tokens 96
+    .venv/bin/python -m edgespec.bench.replay --target smollm2 --per-category 10 --max-tokens 96
+
+A research tool beside `edgespec bench` (tests/test_replay.py checks the policies and the oracle);
+nothing in the runtime imports it.
 """
 
 from __future__ import annotations
@@ -30,19 +33,14 @@ import dataclasses
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from edgespec.calibration import CONTEXT_TOKENS as PROFILE_CONTEXT  # noqa: E402
-from edgespec.drafters.base import Draft  # noqa: E402
-from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
-from edgespec.sampling import SamplingParams  # noqa: E402
-from edgespec.scheduler import K_MAX, CostModel, Scheduler  # noqa: E402
+from edgespec.calibration import CONTEXT_TOKENS as PROFILE_CONTEXT
+from edgespec.drafters.base import Draft
+from edgespec.drafters.ngram import NgramDrafter
+from edgespec.sampling import SamplingParams
+from edgespec.scheduler import K_MAX, CostModel, Scheduler
 
 GREEDY = SamplingParams()
 Policy = Callable[[list[int], int], list[int]]  # (context, most drafts allowed) -> draft

@@ -2,15 +2,15 @@
 native llama.cpp's best --spec-draft-n-max (the setting with the best median tok/s over all
 tasks, and the best per category), on the same tasks and token budget.
 
-    .venv/bin/python bench/anchors/compare.py bench/results/smollm2-ngram/results.json out/anchor.json
+    .venv/bin/python -m edgespec.bench.anchor_compare bench/results/smollm2-ngram/results.json out/anchor.json
 
 Prints a markdown table. Plain speeds of both are shown: the native `--n-max 0` runs (plain
 decoding through the same native loop) and edgespec's paired plain runs, so machine drift between
 the two measurements is visible.
 
-    .venv/bin/python bench/anchors/compare.py out/anchor.json
+    .venv/bin/python -m edgespec.bench.anchor_compare out/anchor.json
 
-With one file, written by `native.py --edgespec-auto`: the paired table. Each (task, repeat) ran
+With one file, written by `bench/anchors/native.py --edgespec-auto`: the paired table. Each (task, repeat) ran
 every native n-max and edgespec `-k auto` back to back; per category it gives median tok/s and the
 medians of the per-pair ratios auto ÷ native n-max N, and auto ÷ the best native n-max of that very
 pair (an oracle choice per task, the strictest reading).
@@ -27,7 +27,7 @@ from collections import defaultdict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", metavar="FILE",
-                    help="results.json of `edgespec bench` (with a k=auto config) and the JSON of native.py; "
+                    help="results.json of `edgespec bench` (with a k=auto config) and the JSON of bench/anchors/native.py; "
                          "or only a JSON of `native.py --edgespec-auto`")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
