@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_fixtures import build_tiny_llama
+from head_oracles import DFlashHead
 from hf_head_fixtures import (
     dflash_reference,
     export_dflash_zlab,
@@ -27,7 +28,6 @@ from edgespec.drafters.dflash import DFlashDrafter
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.convert import convert_head, is_head_checkpoint
 from edgespec.heads.convert_dflash import z_lab_target_layer_ids
-from edgespec.heads.dflash import DFlashHead
 from edgespec.heads.dflash_gguf import read_dflash_gguf
 from edgespec.heads.hf_checkpoint import CheckpointError
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_fixtures import build_tiny_llama
+from head_oracles import DFlashHead, oracle_drafter
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 import edgespec
@@ -22,7 +23,7 @@ from edgespec.drafters.heads import head_arch
 from edgespec.drafters.registry import open_backend, open_drafter, open_target
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError, VocabMismatchError
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
+from edgespec.heads.dflash import DFlashConfig, random_tensors
 from edgespec.heads.dflash_gguf import write_dflash_gguf
 from edgespec.sampling import SamplingParams, process
 
@@ -228,7 +229,7 @@ def test_llama_head_cache_after_a_cycle_equals_a_fresh_head_and_numpy(tiny_dflas
     target_path, head = tiny_dflash
     with open_target(target_path, head, n_ctx=256, threads=1) as target:
         drafter = open_drafter(head, target)
-        ref = open_drafter(head, target, impl="numpy")
+        ref = oracle_drafter(head, target)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")
         d = drafter.draft(ctx, 3, GREEDY, np.random.default_rng(0))

@@ -9,11 +9,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from head_oracles import DFlashHead, rope_neox
 
 from edgespec.gguf_file import read_gguf
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
+from edgespec.heads.dflash import DFlashConfig, random_tensors
 from edgespec.heads.dflash_gguf import read_dflash_gguf, write_dflash_gguf
-from edgespec.heads.numpy_ops import rms_norm, rope_neox, silu
+from edgespec.heads.numpy_ops import rms_norm, silu
 
 V, VD, H, MASK = 100, 40, 64, 99
 # Names llama.cpp 0.3.36 creates for a plain dflash head (src/models/dflash.cpp load_arch_tensors)

@@ -11,10 +11,11 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from head_oracles import DFlashHead
 
 from edgespec.errors import ModelLoadError
 from edgespec.gguf_file import read_gguf
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
+from edgespec.heads.dflash import DFlashConfig, random_tensors
 from edgespec.heads.dflash_gguf import read_dflash_gguf, write_dflash_gguf
 from edgespec.heads.dflash_llama import LlamaDFlashHead
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_fixtures import build_tiny_llama
+from head_oracles import DFlashHead, oracle_drafter
 from mlx_fixtures import own_mlx_home  # noqa: F401 (used by the real tests)
 from test_dflash_drafter import GREEDY, _tiny_head_config
 
@@ -23,7 +24,7 @@ import edgespec  # noqa: E402
 from edgespec.drafters.dflash import DFlashDrafter  # noqa: E402
 from edgespec.drafters.dspark import DSparkDrafter  # noqa: E402
 from edgespec.drafters.registry import open_drafter, open_target  # noqa: E402
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors  # noqa: E402
+from edgespec.heads.dflash import DFlashConfig, random_tensors  # noqa: E402
 from edgespec.heads.dflash_gguf import write_dflash_gguf  # noqa: E402
 from edgespec.heads.dflash_mlx import MlxDFlashHead  # noqa: E402
 
@@ -176,7 +177,7 @@ def test_mlx_head_drafts_what_the_numpy_head_drafts_on_mlx(tiny_heads, kind):
     its GGUF's), synced through a partly rejected cycle: the same block logits and drafts."""
     with open_target(tiny_heads["target"], tiny_heads[kind], "mlx", n_ctx=256, threads=1) as target:
         a = open_drafter(tiny_heads[kind], target)
-        b = open_drafter(tiny_heads[kind], target, impl="numpy")
+        b = oracle_drafter(tiny_heads[kind], target)
         assert isinstance(a.head, MlxDFlashHead) and isinstance(b.head, DFlashHead)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")

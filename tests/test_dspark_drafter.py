@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_fixtures import build_tiny_llama
+from head_oracles import DFlashHead, oracle_drafter
 from test_dflash_drafter import BLOCK, GREEDY, SAMPLED, _tiny_head_config
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 import edgespec
 from edgespec.backends.reference import ReferenceFeatureBackend
 from edgespec.drafters.dspark import DSparkDrafter
-from edgespec.drafters.registry import open_drafter, open_target
+from edgespec.drafters.registry import open_target
 from edgespec.engine import Engine
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors
+from edgespec.heads.dflash import DFlashConfig, random_tensors
 from edgespec.heads.dflash_gguf import write_dflash_gguf
 from edgespec.heads.dspark import MarkovHead
 from edgespec.sampling import process
@@ -130,7 +131,7 @@ def test_llama_dspark_drafts_equal_numpy(tiny_dspark):
 
     target_path, head = tiny_dspark
     with open_target(target_path, head, n_ctx=256, threads=1) as target:
-        ref = open_drafter(head, target, impl="numpy")
+        ref = oracle_drafter(head, target)
         assert isinstance(ref, DSparkDrafter) and ref.name == "dspark"
         llama = DSparkDrafter(LlamaDFlashHead(head, target, threads=1, kv_type="f32", flash_attn=False,
                                               markov=ref.markov), target, ref.markov)

@@ -8,10 +8,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from head_oracles import DFlashHead
 from test_dflash_head import MASK, VD, V, _config, vocab_source  # noqa: F401 (vocab_source: a fixture)
 
 from edgespec.gguf_file import read_gguf
-from edgespec.heads.dflash import DFlashHead, random_tensors
+from edgespec.heads.dflash import random_tensors
 from edgespec.heads.dflash_gguf import read_dflash_gguf, write_dflash_gguf
 from edgespec.heads.dspark import MarkovHead
 

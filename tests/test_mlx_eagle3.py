@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from eagle_fixtures import fit_tiny_head
 from gguf_fixtures import build_tiny_llama
+from head_oracles import oracle_drafter
 from mlx_fixtures import own_mlx_home  # noqa: F401 (used by pytestmark)
 from test_eagle3_drafter import FIT_PROMPTS, HELD_OUT
 from typer.testing import CliRunner
@@ -60,7 +61,7 @@ def test_mlx_head_drafts_what_the_numpy_head_drafts(tiny_pair):
     head its GGUF's): the same first-position logits and the same greedy chain."""
     target_path, head = tiny_pair
     with open_target(target_path, head, "mlx", n_ctx=256, threads=1) as target:
-        mlx_d, np_d = open_drafter(head, target), open_drafter(head, target, impl="numpy")
+        mlx_d, np_d = open_drafter(head, target), oracle_drafter(head, target)
         assert isinstance(mlx_d.head, MlxEagle3Head) and not isinstance(np_d.head, MlxEagle3Head)
         ctx = target.tokenize("The quick brown fox jumps over")
         target.eval(ctx[:-1], rows="none")

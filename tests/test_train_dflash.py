@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from head_oracles import DFlashHead
 
 torch = pytest.importorskip("torch")
 
 from train_fixtures import LAYERS, build_caches  # noqa: E402
 
-from edgespec.heads.dflash import DFlashConfig, DFlashHead, random_tensors  # noqa: E402
+from edgespec.heads.dflash import DFlashConfig, random_tensors  # noqa: E402
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash  # noqa: E402
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark  # noqa: E402
 from edgespec.train.features import FeatureCache  # noqa: E402

@@ -96,8 +96,9 @@ class Backend(Protocol):
 
 @runtime_checkable
 class FeatureBackend(Backend, Protocol):
-    """A target that also keeps hidden states at a few layers for every evaluated token (what feature
-    heads read: EAGLE-3, DFlash). llama_features.LlamaFeatureBackend and mlx_features.MlxFeatureBackend."""
+    """A target that also keeps hidden states at a few layers for every evaluated token: what feature
+    heads read (EAGLE-3, DFlash, DSpark; drafters.heads checks a target against it before a head drafts).
+    llama_features.LlamaFeatureBackend, mlx_features.MlxFeatureBackend and reference.ReferenceFeatureBackend."""
 
     feature_layers: tuple[int, ...]  # target layer ids; a feature = the INPUT of that layer
     n_embd: int  # the target's hidden size H: a feature row is len(feature_layers) * n_embd wide

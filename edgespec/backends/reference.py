@@ -119,7 +119,7 @@ class ReferenceBackend:
 
 
 class ReferenceFeatureBackend(ReferenceBackend):
-    """A ReferenceBackend that also keeps "target features" for feature-head drafters (EAGLE-3).
+    """A ReferenceBackend that also keeps "target features" for feature-head drafters (a base.FeatureBackend).
 
     Row p of `features()` belongs to the token at position p: three blocks of n_vocab + 1 values,
     [one-hot of c_p; one-hot of c_{p-1} (index n_vocab: no token); next_logits(c_0..c_p), 0], i.e.
@@ -144,3 +144,11 @@ class ReferenceFeatureBackend(ReferenceBackend):
             out[r, w + (self._tokens[p - 1] if p > 0 else self.n_vocab)] = 1.0
             out[r, 2 * w:2 * w + self.n_vocab] = self.next_logits(self._tokens[: p + 1])
         return out
+
+    def token_embeddings(self) -> None:
+        """None: the reference model has no token embeddings a head could borrow (base.FeatureBackend)."""
+        return None
+
+    def lm_head_weights(self) -> None:
+        """None, as for ``token_embeddings``."""
+        return None

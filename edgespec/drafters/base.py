@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.base import Backend
+from edgespec.backends.base import Backend, FeatureBackend
 from edgespec.sampling import SamplingParams, process_rows
 
 
@@ -134,22 +134,6 @@ class DraftCost:
     max_block: int | None = field(default=None, compare=False)
 
 
-@runtime_checkable
-class FeatureTarget(Protocol):
-    """A target that keeps one row of features per evaluated position, the layers a feature head
-    reads concatenated (LlamaFeatureBackend, MlxFeatureBackend, ReferenceFeatureBackend)."""
-
-    path: str
-    n_ctx: int
-    n_embd: int  # H_t, the width of one layer's features
-    feature_layers: tuple[int, ...]
-
-    @property
-    def n_past(self) -> int: ...
-
-    def features(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.float32]: ...
-
-
 class HeadRunner(Protocol):
     """What every feature-head runner has: a KV cache of head positions that can be rolled back,
     and close() (the libllama heads free native handles; numpy and MLX heads hold nothing)."""
@@ -163,8 +147,8 @@ class HeadRunner(Protocol):
 
 
 class HeadDrafter:
-    """What the feature-head drafters (EagleDrafter, DFlashDrafter) share: a head runner whose cache
-    is synced to each call's context by common prefix, reading a target's features.
+    """What the feature-head drafters (EagleDrafter, DFlashDrafter, DSparkDrafter) share: a head runner
+    whose cache is synced to each call's context by common prefix, reading a target's features.
 
     Args:
         head: the head runner (its logits must span the target's vocabulary).
@@ -175,7 +159,7 @@ class HeadDrafter:
 
     name = "head"
 
-    def __init__(self, head: HeadRunner, target: FeatureTarget, path: str = "") -> None:
+    def __init__(self, head: HeadRunner, target: FeatureBackend, path: str = "") -> None:
         self.head, self.target = head, target
         self.paths = (path,) if path else ()
         self._ctx: list[int] = []  # the context tokens the head's cache was synced to
@@ -194,3 +178,6 @@ class HeadDrafter:
 
     def close(self) -> None:
         self.head.close()
+
+
+FeatureTarget = FeatureBackend  # the old name; remove once cli/bench_cmd.py imports backends.base.FeatureBackend

@@ -32,8 +32,8 @@ F32 = npt.NDArray[np.float32]
 
 
 class DFlashRunner(Protocol):
-    """What the drafter needs from a head: heads.dflash.DFlashHead (numpy),
-    heads.dflash_mlx.MlxDFlashHead (MLX) or heads.dflash_llama.LlamaDFlashHead (libllama)."""
+    """What the drafter needs from a head: heads.dflash_llama.LlamaDFlashHead (libllama),
+    heads.dflash_mlx.MlxDFlashHead (MLX), or the tests' numpy oracle (tests/head_oracles.py)."""
 
     @property
     def n_past(self) -> int: ...

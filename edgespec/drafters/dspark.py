@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.drafters.base import FeatureTarget
+from edgespec.backends.base import FeatureBackend
 from edgespec.drafters.dflash import DFlashDrafter, DFlashRunner
 from edgespec.heads.dspark import MarkovHead
 
@@ -27,8 +27,8 @@ F32 = npt.NDArray[np.float32]
 
 class DSparkRunner(DFlashRunner, Protocol):
     """A DFlash runner that also gives a block's base logits (no Markov bias) and normed hiddens:
-    heads.dflash.DFlashHead, heads.dflash_mlx.MlxDFlashHead, or heads.dflash_llama.LlamaDFlashHead opened
-    with the Markov head."""
+    heads.dflash_mlx.MlxDFlashHead, heads.dflash_llama.LlamaDFlashHead opened with the Markov head, or the
+    tests' numpy oracle."""
 
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]: ...
 
@@ -54,7 +54,7 @@ class DSparkDrafter(DFlashDrafter):
     name = "dspark"
     head: DSparkRunner
 
-    def __init__(self, head: DSparkRunner, target: FeatureTarget, markov: MarkovHead, path: str = "") -> None:
+    def __init__(self, head: DSparkRunner, target: FeatureBackend, markov: MarkovHead, path: str = "") -> None:
         super().__init__(head, target, path)
         self.markov = markov
 

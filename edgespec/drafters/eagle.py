@@ -30,8 +30,8 @@ F32 = npt.NDArray[np.float32]
 
 
 class Eagle3Runner(Protocol):
-    """What the drafter needs from a head: heads.eagle3.Eagle3Head (numpy),
-    heads.eagle3_llama.LlamaEagle3Head (libllama) or heads.eagle3_mlx.MlxEagle3Head (MLX)."""
+    """What the drafter needs from a head: heads.eagle3_llama.LlamaEagle3Head (libllama),
+    heads.eagle3_mlx.MlxEagle3Head (MLX), or the numpy oracle heads.eagle3.Eagle3Head (tests)."""
 
     n_embd: int
     n_embd_tgt: int

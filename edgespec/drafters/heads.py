@@ -1,5 +1,5 @@
 """Feature heads (EAGLE-3, DFlash, DSpark) as drafters: a head GGUF's header, its checks against the
-target, and the head drafter on the runtime that runs it.
+target, and HEAD_RUNTIMES, the table of which head kind runs on which runtime (docs/heads.md).
 
 Both head formats store llama.cpp's extract ids in ``<arch>.target_layers``: id L is the INPUT of
 target layer L (the output of layer L−1), which is what LlamaFeatureBackend / MlxFeatureBackend
@@ -10,16 +10,19 @@ capture for a layer id L, so the ids are passed through unchanged. (DFlash's HF 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from edgespec.backends.base import Backend
-from edgespec.drafters.base import Drafter, FeatureTarget
+from edgespec.backends.base import Backend, FeatureBackend
+from edgespec.drafters.base import Drafter
 from edgespec.errors import EdgespecError, ModelLoadError, VocabMismatchError
 
-HeadImpl = Literal["auto", "numpy", "llama", "mlx"]
+Runtime = Literal["llama", "mlx"]  # libllama (heads/*_llama.py), mlx.core ops (heads/*_mlx.py)
+HeadImpl = Literal["auto", "llama", "mlx"]  # "auto": the target's own runtime
 Spec = str | os.PathLike[str]
+KIND_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}  # HeadFile.variant → its name
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,15 @@ class HeadFile:
     @property
     def kind(self) -> str:
         return HEAD_KINDS[self.arch].name
+
+    @property
+    def variant(self) -> str:
+        """The kind HEAD_RUNTIMES is keyed by: the architecture, "dspark" for a DFlash head with a Markov head."""
+        return "dspark" if self.arch == "dflash" and "markov_w1.weight" in self.meta.tensors else self.arch
+
+    @property
+    def file(self) -> Path:
+        return Path(self.path).expanduser()
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -116,7 +128,6 @@ def read_head(spec: Spec) -> HeadFile | None:
     return head
 
 
-
 def check_target_header(head: HeadFile, path: Path) -> None:
     """Refuse a target whose header (read before its weights load) does not fit the head."""
     from edgespec.gguf_file import read_gguf
@@ -138,13 +149,12 @@ def check_target_header(head: HeadFile, path: Path) -> None:
                             f"{n_layer} layers (ids 1..{n_layer - 1} can be read)")
 
 
-
 def check_head(head: HeadFile, target: Backend) -> None:
     """Raise a one-line error unless `head` was made for `target`: a target that captures the head's
     layers, of the head's hidden size, with the same vocabulary size and token texts; an EAGLE-3
     head without token embeddings borrows the target's, so its own hidden size must be H_t too."""
     kind = head.kind
-    if not isinstance(target, FeatureTarget):
+    if not isinstance(target, FeatureBackend):
         raise EdgespecError(f"{kind} head {head.path} needs a target opened with its features, as edgespec.load "
                             f"and `generate/chat/bench/profile --drafter` open it (target {target.path})")
     if tuple(target.feature_layers) != head.layers:
@@ -169,78 +179,97 @@ def check_head(head: HeadFile, target: Backend) -> None:
                             f"it can borrow the target's only if that equals the target's {head.hidden}")
 
 
-def open_head(head: HeadFile, target: Backend, impl: HeadImpl, threads: int | None) -> Drafter:
-    """Check `head` against `target`, then run it where `impl` says (see `open_drafter`)."""
-    from edgespec.backends.llama_cpp import LlamaCppBackend
-    from edgespec.backends.mlx import MlxBackend
-
-    if impl not in ("auto", "numpy", "llama", "mlx"):
-        raise ValueError(f"impl must be 'auto', 'numpy', 'llama' or 'mlx' (got {impl!r})")
+def open_head(head: HeadFile, target: Backend, impl: HeadImpl = "auto", threads: int | None = None) -> Drafter:
+    """Check `head` against `target`, then build its drafter on the runtime `impl` names ("auto": the
+    target's own, DEFAULT_RUNTIME) from HEAD_RUNTIMES; a kind × runtime not in the table is a one-line
+    EdgespecError naming the runtimes the kind has."""
     check_head(head, target)
-    assert isinstance(target, FeatureTarget)  # check_head refuses any other target
-    on_llama = impl == "llama" or (impl == "auto" and isinstance(target, LlamaCppBackend))
-    on_mlx = impl == "mlx" or (impl == "auto" and isinstance(target, MlxBackend))
-    if on_llama and not isinstance(target, LlamaCppBackend):
-        raise EdgespecError(f"the libllama {head.kind} head needs a llama.cpp target (got {target.name})")
-    path = Path(head.path).expanduser()
-    if head.arch == "eagle3":
-        from edgespec.drafters.eagle import EagleDrafter
+    assert isinstance(target, FeatureBackend)  # check_head refuses any other target
+    runtime = DEFAULT_RUNTIME.get(target.name, target.name) if impl == "auto" else impl
+    build = HEAD_RUNTIMES.get((head.variant, runtime))
+    if build is None:
+        have = ", ".join(r for k, r in HEAD_RUNTIMES if k == head.variant)
+        raise EdgespecError(f"{KIND_NAMES[head.variant]} head {head.path} cannot run on {runtime!r}: "
+                            f"{KIND_NAMES[head.variant]} heads run on {have}")
+    return build(head, target, threads)
 
-        if on_llama:
-            from edgespec.heads.eagle3_llama import LlamaEagle3Head
 
-            return EagleDrafter(LlamaEagle3Head(path, target, threads=threads), target, head.path)
-        from edgespec.heads.gguf_io import read_eagle3_gguf
+def _eagle3_llama(head: HeadFile, target: FeatureBackend, threads: int | None) -> Drafter:
+    from edgespec.drafters.eagle import EagleDrafter
+    from edgespec.heads.eagle3_llama import LlamaEagle3Head
 
-        config, tensors = read_eagle3_gguf(path)
-        embd = None if "token_embd.weight" in tensors else _target_matrices(target, on_mlx, need_output=False)[0]
-        if on_mlx:
-            from edgespec.heads.eagle3_mlx import MlxEagle3Head
+    return EagleDrafter(LlamaEagle3Head(head.file, _llama_target(head, target), threads=threads), target, head.path)
 
-            return EagleDrafter(MlxEagle3Head(config, tensors, tok_embd=embd), target, head.path)
-        from edgespec.heads.eagle3 import Eagle3Head
 
-        return EagleDrafter(Eagle3Head(config, tensors, tok_embd=embd), target, head.path)
-    from edgespec.drafters.dflash import DFlashDrafter, DFlashRunner
+def _eagle3_mlx(head: HeadFile, target: FeatureBackend, threads: int | None) -> Drafter:
+    from edgespec.drafters.eagle import EagleDrafter
+    from edgespec.heads.eagle3_mlx import MlxEagle3Head
+    from edgespec.heads.gguf_io import read_eagle3_gguf
+
+    config, tensors = read_eagle3_gguf(head.file)
+    embd = None if "token_embd.weight" in tensors else _target_matrices(target, need_output=False)[0]
+    return EagleDrafter(MlxEagle3Head(config, tensors, tok_embd=embd), target, head.path)
+
+
+def _block_llama(head: HeadFile, target: FeatureBackend, threads: int | None) -> Drafter:
+    """A DFlash or DSpark head on libllama (a DSpark head's Markov head runs host-side, read from its GGUF)."""
     from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.dflash_llama import LlamaDFlashHead
     from edgespec.heads.dspark import MarkovHead
 
-    dspark = "markov_w1.weight" in head.meta.tensors
-    if dspark or not on_llama:  # the libllama DSpark head needs the Markov weights host-side too
-        config, tensors = read_dflash_gguf(path)
-    markov = MarkovHead(config, tensors) if dspark else None
-    runner: DFlashRunner
-    if on_llama:
-        from edgespec.heads.dflash_llama import LlamaDFlashHead
+    markov = MarkovHead(*read_dflash_gguf(head.file)) if head.variant == "dspark" else None
+    runner = LlamaDFlashHead(head.file, _llama_target(head, target), threads=threads, markov=markov)
+    return _block_drafter(runner, target, head, markov)
 
-        runner = LlamaDFlashHead(path, target, threads=threads, markov=markov)
-    else:
-        embd = output = None
-        if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
-            embd, output = _target_matrices(target, on_mlx, need_output="output.weight" not in tensors)
-        if on_mlx:
-            from edgespec.heads.dflash_mlx import MlxDFlashHead
 
-            runner = MlxDFlashHead(config, tensors, tok_embd=embd, output=output)
-        else:
-            from edgespec.heads.dflash import DFlashHead
+def _block_mlx(head: HeadFile, target: FeatureBackend, threads: int | None) -> Drafter:
+    """A DFlash or DSpark head in mlx.core ops (the Markov head in numpy)."""
+    from edgespec.heads.dflash_gguf import read_dflash_gguf
+    from edgespec.heads.dflash_mlx import MlxDFlashHead
+    from edgespec.heads.dspark import MarkovHead
 
-            runner = DFlashHead(config, tensors, tok_embd=embd, output=output)
-    if markov is None:
-        return DFlashDrafter(runner, target, head.path)
+    config, tensors = read_dflash_gguf(head.file)
+    embd = output = None
+    if "token_embd.weight" not in tensors:  # borrowed from the target, as llama.cpp does
+        embd, output = _target_matrices(target, need_output="output.weight" not in tensors)
+    runner = MlxDFlashHead(config, tensors, tok_embd=embd, output=output)
+    return _block_drafter(runner, target, head, MarkovHead(config, tensors) if head.variant == "dspark" else None)
+
+
+# (kind, runtime) → the factory of its drafter: the one place that says which head runs where. A new
+# kind or runtime adds its rows here (docs/heads.md); numpy references of the heads are test oracles.
+HEAD_RUNTIMES: dict[tuple[str, Runtime], Callable[[HeadFile, FeatureBackend, int | None], Drafter]] = {
+    ("eagle3", "llama"): _eagle3_llama, ("eagle3", "mlx"): _eagle3_mlx,
+    ("dflash", "llama"): _block_llama, ("dflash", "mlx"): _block_mlx,
+    ("dspark", "llama"): _block_llama, ("dspark", "mlx"): _block_mlx,
+}
+DEFAULT_RUNTIME: dict[str, Runtime] = {"llama.cpp": "llama", "mlx": "mlx"}  # Backend.name → what "auto" picks
+
+
+def _block_drafter(runner: Any, target: FeatureBackend, head: HeadFile, markov: Any) -> Drafter:
+    from edgespec.drafters.dflash import DFlashDrafter
     from edgespec.drafters.dspark import DSparkDrafter
 
-    return DSparkDrafter(runner, target, markov, head.path)  # type: ignore[arg-type]  # both heads have forward_block
+    if markov is None:
+        return DFlashDrafter(runner, target, head.path)
+    return DSparkDrafter(runner, target, markov, head.path)
 
 
-def _target_matrices(target: FeatureTarget, as_mx: bool, need_output: bool) -> tuple[Any, Any]:
-    """The target's token embeddings (V, H) and, if `need_output`, its LM head (V, H) (else None):
-    an MLX feature target's own mx weights for an MLX head (no copies), else its GGUF's tensors."""
-    if as_mx:
-        from edgespec.backends.mlx_features import MlxFeatureBackend
+def _llama_target(head: HeadFile, target: FeatureBackend) -> Any:
+    """`target` as the llama.cpp backend a libllama head shares its weights with (ctx_other)."""
+    from edgespec.backends.llama_cpp import LlamaCppBackend
 
-        if isinstance(target, MlxFeatureBackend):
-            return target.token_embeddings(), (target.lm_head_weights() if need_output else None)
+    if not isinstance(target, LlamaCppBackend):
+        raise EdgespecError(f"the libllama {head.kind} head needs a llama.cpp target (got {target.name})")
+    return target
+
+
+def _target_matrices(target: FeatureBackend, need_output: bool) -> tuple[Any, Any]:
+    """The target's token embeddings (V, H) and, if `need_output`, its LM head (V, H) (else None): the
+    backend's own arrays where it lends them (an MLX target's mx weights: no copies), else its GGUF's."""
+    embd = target.token_embeddings()
+    if embd is not None:
+        return embd, (target.lm_head_weights() if need_output else None)
     from edgespec.gguf_file import read_gguf
 
     t = read_gguf(target.path)

@@ -1,4 +1,7 @@
-"""DFlash head: a numpy reference of llama.cpp's dflash architecture (src/models/dflash.cpp, 0.3.36).
+"""DFlash head: its config, tensor layout and block layout, after llama.cpp's dflash architecture
+(src/models/dflash.cpp, 0.3.36); the heads run on libllama (heads/dflash_llama.py) and MLX
+(heads/dflash_mlx.py), and a numpy forward of the function below is the tests' oracle
+(tests/head_oracles.py).
 
 Notation: H = head hidden size (llama.cpp requires the target's to be the same: the fused feature
 width is T·H), T = number of target layers, B = block size, V = target vocabulary, V_d = draft
@@ -36,7 +39,6 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.heads.eagle3 import random_tensors as random_tensors  # DFlashConfig heads too (re-exported)
-from edgespec.heads.numpy_ops import attention, mm, rms_norm, rope_neox, silu
 
 F32 = npt.NDArray[np.float32]
 _LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -151,7 +153,7 @@ class DFlashConfig:
 
 class DFlashBlocks(ABC):
     """What every in-process DFlash head derives from its ``config`` and ``forward_block``: the block
-    layout, its validation and greedy drafting (DFlashHead here, heads.dflash_mlx.MlxDFlashHead)."""
+    layout, its validation and greedy drafting (heads.dflash_mlx.MlxDFlashHead, the tests' numpy oracle)."""
 
     config: DFlashConfig
 
@@ -193,113 +195,3 @@ class DFlashBlocks(ABC):
         if not 1 <= n_draft < self.config.block_size:
             raise ValueError(f"n_draft must be in 1..{self.config.block_size - 1} (got {n_draft})")
         return [int(i) for i in self.block_logits(self.block_tokens(anchor, n_draft + 1))[1:].argmax(axis=1)]
-
-
-class DFlashHead(DFlashBlocks):
-    """The DFlash head in numpy, with its context KV cache (target positions 0..n_past−1).
-
-    Args:
-        config: hyperparameters.
-        tensors: GGUF tensor name → array (see ``DFlashConfig.shapes``); ``d2t`` int64.
-        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
-            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
-        output: the target's LM head (V, H), used when ``tensors`` has neither ``output.weight``
-            nor ``token_embd.weight`` (llama.cpp ties output to an own token_embd).
-    """
-
-    def __init__(self, config: DFlashConfig, tensors: Mapping[str, npt.NDArray],
-                 tok_embd: F32 | None = None, output: F32 | None = None) -> None:
-        config.check_tensors(tensors)
-        self.config = config
-        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
-                        for k, v in tensors.items()}
-        want = (config.n_vocab, config.n_embd)
-        embd = self.tensors.get("token_embd.weight", tok_embd)
-        if embd is None or embd.shape != want:
-            raise ValueError(f"the head needs token embeddings of shape {want} (its own or the target's; "
-                             f"got {None if embd is None else embd.shape})")
-        head = self.tensors.get("output.weight", self.tensors.get("token_embd.weight", output))
-        if head is None or head.shape != (config.n_draft_vocab, config.n_embd):
-            raise ValueError(f"the head needs an LM head of shape {(config.n_draft_vocab, config.n_embd)} "
-                             f"(its own or the target's; got {None if head is None else head.shape})")
-        self.tok_embd = np.asarray(embd, np.float32)
-        self.lm_head = np.asarray(head, np.float32)
-        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
-        shape = (0, config.n_head_kv, config.head_dim)
-        self._k = [np.empty(shape, np.float32) for _ in range(config.n_layer)]  # per layer (positions, kv heads, d)
-        self._v = [np.empty(shape, np.float32) for _ in range(config.n_layer)]
-
-    @property
-    def n_past(self) -> int:
-        """Target positions whose features are in the context KV cache."""
-        return len(self._k[0])
-
-    def close(self) -> None:
-        """Nothing to free (the arrays go with the object); LlamaDFlashHead frees its handles."""
-
-    def truncate(self, n_past: int) -> None:
-        """Drop the context entries of positions ≥ n_past (after a rejection)."""
-        self._k = [k[:n_past] for k in self._k]
-        self._v = [v[:n_past] for v in self._v]
-
-    def encode(self, features: F32) -> F32:
-        """fc then hidden_norm over fused target features: (n, T·H) → g (n, H)."""
-        c, t = self.config, self.tensors
-        f = np.asarray(features, np.float32)
-        if f.ndim != 2 or f.shape[1] != c.n_embd_enc:
-            raise ValueError(f"features must be (n, {c.n_embd_enc}) (got {f.shape})")
-        return rms_norm(mm(f, t["fc.weight"]), t["enc.output_norm.weight"], c.rms_eps)
-
-    def inject(self, features: F32) -> F32:
-        """Append target positions n_past.. to the context cache (llama.cpp's embd-batch decode):
-        per layer K = RoPE(k_norm(wk·g)), V = wv·g. Returns g (n, H)."""
-        c, t = self.config, self.tensors
-        g = self.encode(features)
-        n = len(g)
-        pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
-        for i in range(c.n_layer):
-            k = mm(g, t[f"blk.{i}.attn_k.weight"]).reshape(n, c.n_head_kv, c.head_dim)
-            k = rope_neox(rms_norm(k, t[f"blk.{i}.attn_k_norm.weight"], c.rms_eps), pos, c.n_rot, c.rope_base)
-            v = mm(g, t[f"blk.{i}.attn_v.weight"]).reshape(n, c.n_head_kv, c.head_dim)
-            self._k[i], self._v[i] = np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v])
-        return g
-
-    def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
-        """The decoder on a block at positions n_past..n_past+b−1, attending to the whole context
-        cache and the whole block; the cache is left unchanged.
-
-        Args:
-            tokens: b ≤ block_size target ids, normally ``block_tokens(t_last)``.
-
-        Returns:
-            (logits (b, V) with −inf outside the draft vocabulary, the normed hidden (b, H)).
-        """
-        c, t = self.config, self.tensors
-        ids = self.check_block(tokens)
-        b = len(ids)
-        x = self.tok_embd[ids]
-        if c.embedding_scale:
-            x = (x * np.float32(c.embedding_scale)).astype(np.float32)
-        pos = np.arange(self.n_past, self.n_past + b, dtype=np.int64)
-        kpos = np.arange(self.n_past + b, dtype=np.int64)
-        scale = c.attention_scale or 1.0 / np.sqrt(c.head_dim)
-        for i in range(c.n_layer):
-            w = {k: t[f"blk.{i}.{k}.weight"] for k in _LAYER}
-            u = rms_norm(x, w["attn_norm"], c.rms_eps)
-            q = rms_norm(mm(u, w["attn_q"]).reshape(b, c.n_head, c.head_dim), w["attn_q_norm"], c.rms_eps)
-            k = rms_norm(mm(u, w["attn_k"]).reshape(b, c.n_head_kv, c.head_dim), w["attn_k_norm"], c.rms_eps)
-            v = mm(u, w["attn_v"]).reshape(b, c.n_head_kv, c.head_dim)
-            q, k = rope_neox(q, pos, c.n_rot, c.rope_base), rope_neox(k, pos, c.n_rot, c.rope_base)
-            a = attention(q, np.concatenate([self._k[i], k]), np.concatenate([self._v[i], v]), pos, kpos,
-                          scale, c.causal)
-            a = mm(a, w["attn_output"])
-            if c.value_scale:
-                a = (a * np.float32(c.value_scale)).astype(np.float32)
-            r = (a.astype(np.float64) + x).astype(np.float32)
-            y = rms_norm(r, w["ffn_norm"], c.rms_eps)
-            ff = silu(mm(y, w["ffn_gate"])) * mm(y, w["ffn_up"])
-            x = (mm(ff, w["ffn_down"]).astype(np.float64) + r).astype(np.float32)
-        h = rms_norm(x, t["output_norm.weight"], c.rms_eps)
-        logits = np.full((b, c.n_vocab), -np.inf, np.float32)
-        logits[:, self.d2t] = mm(h, self.lm_head)
-        return logits, h

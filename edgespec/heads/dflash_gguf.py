@@ -66,7 +66,7 @@ def write_dflash_gguf(path: str | Path, config: DFlashConfig, tensors: Mapping[s
         path: output file.
         config: the head's hyperparameters.
         tensors: GGUF tensor name → array (numpy shape = reversed GGUF ne; ``d2t`` int64), as
-            ``DFlashHead.tensors`` holds them.
+            a head's tensors hold them.
         vocab_source: the target GGUF; its ``tokenizer.*`` metadata is copied and the config's
             ``mask_token_id`` overrides any mask id it has.
         weight_type: "f16", "q8_0" or "f32" for the 2-D weights; norms stay F32, d2t I64. A Q8_0

@@ -11,14 +11,14 @@ target model's (llama.cpp refuses the context otherwise). Two kinds of ``llama_p
 * block: a token batch [anchor, MASK…] at the positions after the context, every row an output →
   logits over the target vocabulary (−inf outside d2t). The block's own K/V entries are dropped
   right after (``llama_memory_seq_rm``), so the cache holds only injected context, as in the
-  numpy ``DFlashHead`` whose ``forward_block`` leaves the cache unchanged.
+  numpy oracle (tests/head_oracles.py), whose ``forward_block`` leaves the cache unchanged.
 
 DSpark (``markov``): llama.cpp's graph adds the Markov bias to the logits it returns, chained
 greedily (row r gets w2·w1[prev_r], prev_1 = the anchor, prev_r = the argmax of the biased row
 r−1; ``build_dspark_markov_head``). The bindings cannot switch that off, so ``forward_block``
 removes it host-side with the same F32 weights read from the GGUF (the writer keeps them F32) and
 returns the base logits with the normed hiddens (``llama_set_embeddings``: the graph's t_embd), as
-the numpy ``DFlashHead.forward_block`` does. DSparkDrafter reads ``chained_block`` instead (the rows
+the numpy oracle's ``forward_block`` does. DSparkDrafter reads ``chained_block`` instead (the rows
 as llama.cpp biased them, and its chain) and swaps a row's bias only where the token it really
 drafted differs from llama.cpp's argmax (never when greedy); it computes the confidence from h. (llama.cpp's own confidence, in the nextn
 embeddings, is for the argmax chain only, so edgespec does not use it.)
@@ -44,7 +44,7 @@ from edgespec.heads.llama_head import DECODE, F32, LlamaHeadContext
 
 
 class LlamaDFlashHead(LlamaHeadContext):
-    """A DFlash head on llama.cpp: same interface as the numpy ``DFlashHead`` for drafting
+    """A DFlash head on llama.cpp: same interface as the numpy oracle (tests/head_oracles.py), for drafting
     (inject / truncate / n_past / block_tokens / block_logits / draft, block_size, mask_token_id).
 
     Args:

@@ -6,7 +6,7 @@ RoPE in NeoX mode (rotate-half: ``mx.fast.rope`` with ``traditional=False``), a 
 the whole context and the whole block (causal inside the block only with ``causal``), d2t scattering
 the draft vocabulary's logits into the target's (−inf elsewhere). The context KV cache is one pair of
 growing mx arrays (1, n_head_kv, positions, head_dim) per layer, truncated by slicing; a block's own
-K/V never enter it. Inputs and outputs are numpy, as for DFlashHead, so DFlashDrafter and
+K/V never enter it. Inputs and outputs are numpy, as for the numpy oracle (tests/head_oracles.py), so DFlashDrafter and
 DSparkDrafter (whose Markov head stays numpy) run either unchanged.
 """
 
@@ -103,7 +103,7 @@ class MlxDFlashHead(MlxHeadWeights, DFlashBlocks):
         return np.array(g)
 
     def forward_block(self, tokens: Sequence[int]) -> tuple[F32, F32]:
-        """DFlashHead.forward_block on MLX: (logits (b, V), −inf outside the draft vocabulary; the
+        """The numpy oracle's forward_block on MLX: (logits (b, V), −inf outside the draft vocabulary; the
         normed hidden (b, H)) of a block at n_past.., the context cache left unchanged."""
         c, mx, w = self.config, self._mx, self.w
         ids = self.check_block(tokens)

@@ -1,4 +1,8 @@
-"""EAGLE-3 head: a numpy reference of llama.cpp's eagle3 architecture (src/models/eagle3.cpp, 0.3.36).
+"""EAGLE-3 head: its config and tensor layout, and a numpy forward of llama.cpp's eagle3 architecture
+(src/models/eagle3.cpp, 0.3.36). Heads draft on libllama (heads/eagle3_llama.py) or MLX
+(heads/eagle3_mlx.py); the numpy Eagle3Head is the oracle they are tested against and what
+edgespec.train.evaluate runs without torch, not a drafter runtime (~56 ms a chain step against 0.9 ms
+on libllama: docs/heads.md).
 
 Notation: H = head hidden size, H_t = target hidden size, V = target vocabulary, V_d = draft
 vocabulary. Weights are kept under their GGUF tensor names with numpy shape = reversed GGUF ne

@@ -1,6 +1,6 @@
-"""Numpy reference ops the numpy heads share (heads/eagle3.py, heads/dflash.py): ggml's RMSNorm,
-both RoPE modes, attention with GQA, SiLU and x·wᵀ, computed in float64 and returned as float32 so
-the references stay within float32 rounding of llama.cpp (the MLX heads' ops: heads/mlx_ops.py).
+"""Numpy ops of the numpy EAGLE-3 forward (heads/eagle3.py; the tests' DFlash oracle shares them):
+ggml's RMSNorm, RoPE in mode 0, attention with GQA and SiLU, computed in float64 and returned as
+float32 so the references stay within float32 rounding of llama.cpp (the MLX heads' ops: heads/mlx_ops.py).
 """
 
 from __future__ import annotations
@@ -54,21 +54,3 @@ def attention(q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], k_pos: npt.N
 def silu(x: F32) -> F32:
     """x · sigmoid(x)."""
     return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
-
-
-def rope_neox(x: F32, positions: npt.NDArray[np.int64], n_rot: int, base: float) -> F32:
-    """ggml_rope_ext in NeoX mode (LLAMA_ROPE_TYPE_NEOX): rotate pairs (x[i], x[i + n_rot/2]) by
-    pos·base^(−2i/n_rot); dims ≥ n_rot pass through. x: (n, heads, head_dim)."""
-    half = n_rot // 2
-    theta = positions.astype(np.float64)[:, None] * base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    out = x.astype(np.float64).copy()
-    x0, x1 = out[..., :half].copy(), out[..., half:n_rot].copy()
-    out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:n_rot] = x0 * sin + x1 * cos
-    return out.astype(np.float32)
-
-
-def mm(x: npt.NDArray, w: F32) -> F32:
-    """x · wᵀ in float64, as float32 (w in GGUF/numpy layout: (out, in))."""
-    return (np.asarray(x, np.float64) @ w.T.astype(np.float64)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The DFlash head in torch: the function of ``edgespec.heads.dflash.DFlashHead`` (tested equal), with
+"""The DFlash head in torch: the function of the numpy DFlash oracle (tests/head_oracles.py; tested equal), with
 a batched training forward over many blocks of one cached sequence.
 
 Pairing (as drafting pairs it, ``edgespec.drafters.dflash``): on a cached sequence t_0..t_{L−1} with
@@ -139,7 +139,7 @@ class TorchDFlash(GGUFHead):
         return h @ self.p("output.weight").T, h
 
     def forward_block(self, feats: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``DFlashHead.forward_block`` after injecting ``feats`` (n, T·H) into an empty cache: the block
+        """The oracle's ``forward_block`` after injecting ``feats`` (n, T·H) into an empty cache: the block
         ``tokens`` (b,) at positions n..n+b−1 → (logits (b, V) with −inf outside d2t, hidden (b, H))."""
         n, dev = len(feats), feats.device
         z, h = self.blocks(tokens[None], torch.tensor([n], device=dev), self.context_kv(feats),
