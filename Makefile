@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models converter demo test test-fast lint bench anchor heads clean
+.PHONY: install models converter demo test test-fast lint bench anchor results heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,28 +69,26 @@ SPEC_PAIRS := smollm2-ngram:smollm2:ngram:auto smollm2-f32-ngram:smollm2-f32:ngr
               smollm2-f32-draft:smollm2-f32:smollm2:auto,4 gemma3-f32-draft:gemma3-f32:gemma3:auto,4
 bench: models
 	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
-	@set -e; printf '# edgespec benchmark results\n\nMade by `make bench` (%s). Each section is one `edgespec bench` run;\nits command is in the section.\n\n' "$$(date -u +%F)" > bench/RESULTS.md; \
-	for spec in $(BENCH_PAIRS) $(F32_PAIRS); do \
+	@set -e; for spec in $(BENCH_PAIRS) $(F32_PAIRS); do \
 	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; rest=$${rest#*:}; drafter=$${rest%%:*}; \
 	  ks=$$(echo $${rest#*:} | sed 's/,/ -k /g'); \
 	  case " $(F32_PAIRS) " in *" $$spec "*) args="$(F32_ARGS)";; *) args="$(BENCH_ARGS)";; esac; \
 	  $(BIN)/edgespec profile --model $$target --drafter none --repeats 3 > /dev/null; \
 	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $$args --out bench/results/$$name; \
-	  sed -e 's|^# |## |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
-	    bench/results/$$name/results.md >> bench/RESULTS.md; \
 	done; \
 	for spec in $(SPEC_PAIRS); do \
 	  name=$${spec%%:*}; rest=$${spec#*:}; target=$${rest%%:*}; rest=$${rest#*:}; drafter=$${rest%%:*}; \
 	  ks=$$(echo $${rest#*:} | sed 's/,/ -k /g'); \
 	  $(BIN)/edgespec bench --target $$target --drafter $$drafter -k $$ks $(SPEC_ARGS) --out bench/results/spec-bench/$$name; \
-	  sed -e 's|^# |## Spec-Bench: |' -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/spec-bench/$$name/\1)|" \
-	    bench/results/spec-bench/$$name/results.md >> bench/RESULTS.md; \
 	done
+	$(MAKE) --no-print-directory results
 
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
 # outside the repository, ~10 min the first time), each task's native runs followed by edgespec
-# -k auto on the same pair (paired ratios): appended to bench/RESULTS.md. Run on an idle machine.
+# -k auto on the same pair (paired ratios): bench/results/<pair>/native_anchor.json, then
+# bench/RESULTS.md re-assembled. Run on an idle machine.
 ANCHOR_ARGS ?= --per-category 2 --max-tokens 96 --repeats 3
+ANCHOR_PAIRS := smollm2-ngram gemma3-f16-draft smollm2-f32-draft gemma3-f32-draft
 anchor: models
 	@set -e; bench/anchors/build.sh > /dev/null; M=$${EDGESPEC_HOME:-$$HOME/.cache/edgespec}/models; \
 	$(BIN)/python bench/anchors/native.py --target $$M/SmolLM2-135M-Instruct.Q4_1.gguf --drafter ngram --edgespec-auto \
@@ -102,17 +100,38 @@ anchor: models
 	  name=$${pair%%:*}; rest=$${pair#*:}; \
 	  $(BIN)/python bench/anchors/native.py --target $$M/$${rest%%:*} --drafter $$M/$${rest#*:} --edgespec-auto \
 	    --n-max 0 --n-max 3 --n-max 5 $(ANCHOR_ARGS) --out bench/results/$$name/native_anchor.json; \
+	done
+	$(MAKE) --no-print-directory results
+
+# bench/RESULTS.md, assembled from the result folders `make bench` and `make anchor` write (runs
+# nothing; a folder that is missing is left out): every pair's results.md, then the Spec-Bench
+# pairs', then the paired native anchors. Nothing else goes into RESULTS.md: analyses and one-off
+# runs are in docs/results.md and docs/experiments/.
+results:
+	@set -e; out=bench/RESULTS.md; py=$(BIN)/python; [ -x $$py ] || py=$(PYTHON); \
+	printf '# edgespec benchmark results\n\nAssembled by `make results` from bench/results/ (`make bench` and `make anchor` run it\nafter their runs). Each section is one run: its command, machine and date are in the section.\nAnalyses and other runs: docs/results.md and docs/experiments/.\n\n' > $$out; \
+	for spec in $(BENCH_PAIRS) $(F32_PAIRS); do \
+	  name=$${spec%%:*}; [ -f bench/results/$$name/results.md ] || continue; \
+	  sed -e "s|^# |## $$name: |" -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/$$name/\1)|" \
+	    bench/results/$$name/results.md >> $$out; \
 	done; \
-	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> bench/RESULTS.md; \
-	for pair in smollm2-ngram gemma3-f16-draft smollm2-f32-draft gemma3-f32-draft; do \
-	  printf '### %s\n\n' $$pair >> bench/RESULTS.md; \
-	  $(BIN)/python bench/anchors/compare.py bench/results/$$pair/native_anchor.json >> bench/RESULTS.md; \
-	  echo >> bench/RESULTS.md; \
+	for spec in $(SPEC_PAIRS); do \
+	  name=$${spec%%:*}; [ -f bench/results/spec-bench/$$name/results.md ] || continue; \
+	  sed -e "s|^# |## Spec-Bench, $$name: |" -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/spec-bench/$$name/\1)|" \
+	    bench/results/spec-bench/$$name/results.md >> $$out; \
+	done; \
+	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> $$out; \
+	printf 'Each (task, repeat): native at every n-max, then edgespec `-k auto` on the same pair, back to back\n(`bench/anchors/native.py --edgespec-auto`; table: `python -m edgespec.bench.anchor_compare FILE`).\n\n' >> $$out; \
+	for pair in $(ANCHOR_PAIRS); do \
+	  f=bench/results/$$pair/native_anchor.json; [ -f $$f ] || continue; \
+	  printf '### %s\n\n' $$pair >> $$out; \
+	  $$py -m edgespec.bench.anchor_compare $$f >> $$out; \
+	  echo >> $$out; \
 	done
 
-# The shipped heads (models/): fixed seed, data and step counts (the budget is only a cap), 1 thread as
-# they were trained; feature caches and checkpoints go to $EDGESPEC_HOME/train/. Not part of
-# `make test`. Here: EAGLE-3 SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min (its prompts
+# The trained heads (models/; the repository keeps the two SmolLM2 heads the tests use, models/README.md):
+# fixed seed, data and step counts (the budget is only a cap), 1 thread as they were trained; feature
+# caches and checkpoints go to $EDGESPEC_HOME/train/. Not part of `make test`. Here: EAGLE-3 SmolLM2 feature extraction ~25 min + 1470 steps in 44 min; Gemma-3 ~35 min (its prompts
 # framed "Question: …\nAnswer:", as bench feeds this template-less model) + 963 steps in 37 min (side by side with
 # the DFlash run, one thread each); DFlash 2000 / 1200 steps in 11 / 8 min,
 # DSpark 800 steps in 2 / 3 min. Torch's float reductions make a rerun
@@ -120,7 +139,7 @@ anchor: models
 SMOLLM2_HEAD_STEPS ?= 1470
 GEMMA3_HEAD_STEPS ?= 963
 HEAD_ARGS ?= --kind eagle3 --seed 0 --draft-vocab 8192 --lr 2e-3 --threads 1 --budget-min 300
-# DFlash heads (issue #7) reuse the EAGLE-3 runs' feature caches (same layers and data), block 8, one
+# DFlash heads reuse the EAGLE-3 runs' feature caches (same layers and data), block 8, one
 # layer, linear LR decay to 0 at the last step; DSpark = Markov + confidence heads trained on the frozen
 # DFlash head.
 DFLASH_ARGS ?= --kind dflash --seed 0 --draft-vocab 8192 --lr 2e-3 --lr-decay --threads 1 --budget-min 300

@@ -304,7 +304,7 @@ def loop_rows(repeats: int, short: int = 300, step_ms: float = 7.0) -> list[dict
 
 def write(out: Path, host: list[dict], loop: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "host.json").write_text(json.dumps(dict(meta=meta, host=host, loop=loop), indent=1))
+    (out / "host.json").write_text(json.dumps(dict(meta=meta, host=host, loop=loop), separators=(",", ":")) + "\n")
     lines = [f"# Host path ({meta['date']}, {meta['cpu']}, one thread)", "",
              f"`{meta['command']}` (load {meta['load']:.1f}). ms per call ({meta['clock']}), medians of {meta['repeats']}, before and "
              f"after alternating; before = {meta['before']}, after = edgespec now; verify: every draft accepted; "

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs",
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n", encoding="utf-8")
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({len(rows)} rows)", file=sys.stderr)
     return 0
 

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 machine=f"{platform.platform()}, {os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 prompts=PROMPTS)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n", encoding="utf-8")
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"edgespec outside the window (template, tokenizing, setup): median "
           f"{med(r['plain']['setup_ms'] for r in rows):.2f} ms plain, {med(r['auto']['setup_ms'] for r in rows):.2f} ms auto")
     print(f"wrote {args.out} ({len(rows)} pairs)", file=sys.stderr)

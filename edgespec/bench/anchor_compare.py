@@ -76,8 +76,13 @@ def paired(nat: dict) -> None:
     runs = {k: v for k, v in runs.items() if "auto" in v}
     if not runs:
         raise SystemExit("no edgespec rows: run native.py with --edgespec-auto")
-    spec_n = sorted(n for n in nat["meta"]["n_max"] if n > 0)
+    meta = nat["meta"]
+    spec_n = sorted(n for n in meta["n_max"] if n > 0)
     med = statistics.median
+    if "date" in meta:  # what the runs were: a caption over the table
+        print(f"`{meta['target'].rsplit('/', 1)[-1]}` + `{str(meta['drafter']).rsplit('/', 1)[-1]}`, "
+              f"{meta['date']} ({meta['machine']}, {meta['threads']} threads): {len(meta['tasks'])} tasks × "
+              f"{meta['repeats']} repeat(s), greedy, {budget_text(nat['rows'])}.\n")
     print("| category | pairs | edgespec auto tok/s | native plain tok/s | "
           + " | ".join(f"native n-max {n} tok/s" for n in spec_n) + " | "
           + " | ".join(f"auto ÷ n-max {n}" for n in spec_n) + " | auto ÷ best n-max of each pair | "
@@ -95,6 +100,12 @@ def paired(nat: dict) -> None:
         capped = med(runs[k]["auto"] / max(budget[k][n] for n in spec_n) for k in keys)
         print(f"| {cat} | {len(rs)} | {med(v['auto'] for v in rs):.1f} | {plain} | {speeds} | {ratios} | "
               f"**{best:.2f}** | {capped:.2f} |")
+
+
+def budget_text(rows: list[dict]) -> str:
+    """The runs' token budget, or the range of the tasks' own budgets."""
+    lo, hi = min(r["max_tokens"] for r in rows), max(r["max_tokens"] for r in rows)
+    return f"{lo} tokens" if lo == hi else f"the tasks' own budgets ({lo}–{hi} tokens)"
 
 
 if __name__ == "__main__":
