@@ -1,6 +1,6 @@
 """Verification of a draft against the target's logits. Pure numpy.
 
-Notation (seeds, DESIGN.md): p = target distribution, q = draft distribution, x̃₁..x̃γ the draft.
+Notation: p = target distribution, q = draft distribution, x̃₁..x̃γ the draft.
 Row i of `logits` is the target's next-token logits after the context and x̃₁..x̃ᵢ, so there
 are γ+1 rows. Each function returns (n_accepted, next_token): the emitted tokens are
 x̃₁..x̃ₙ followed by next_token (the correction at the first rejection, or the bonus token).

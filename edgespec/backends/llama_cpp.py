@@ -201,7 +201,7 @@ class LlamaCppBackend(_VocabCalls):
         n_gpu_layers: layers to offload on CUDA/Metal builds (0 = CPU; -1 = all).
         n_batch: most tokens per llama_decode call (longer prompts are chunked).
         use_extra_bufts: llama.cpp's repacked CPU weight layouts. Off by default: with them, Q4_K
-            batches give different logits than single tokens (MODELS.md), at no measured speed gain.
+            batches give different logits than single tokens, at no speed gain here.
         kv_type: KV cache type: "auto" (Q8_0 where the model's head size allows, else F16), "q8_0",
             "f16" or "f32". With F16/F32 caches, llama.cpp's
             CPU flash attention takes a split-KV path for single-token steps once the cache passes
@@ -294,8 +294,8 @@ class LlamaCppBackend(_VocabCalls):
             chunk = tokens[start:start + self.n_batch]
             self._decode(chunk, [True] * len(chunk))
             # read in llama.cpp's own output buffer: no copy of the rows. llama.cpp's greedy backend
-            # sampler (argmax in the graph) measured 8-12% slower per forward on this CPU
-            # (bench/results/host/greedy-argmax-backend-sampler.md), so it is not used
+            # sampler (argmax in the graph) made each forward slower on CPU, so it is not used
+            # (docs/experiments/host-path.md)
             out[start:start + len(chunk)] = self._logit_rows(len(chunk)).argmax(axis=1)
         return out
 
