@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from edgespec.drafters import registry
+from edgespec import session
 from edgespec.engine import Engine
 
 
@@ -39,13 +39,8 @@ def load(
         verbose: show the backend's own log.
 
     Returns:
-        An Engine (use it as a context manager, or call close()).
+        An Engine (use it as a context manager, or call close()). With num_draft "auto" its first
+        speculative generation prices the pair (cached per model; `Engine.calibrate` chooses when).
     """
-    options = dict(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
-    tgt = registry.open_target(target, drafter, backend, **options)
-    try:
-        opened = registry.open_drafter(drafter, tgt, backend, **options)
-        return Engine(tgt, opened, num_draft=num_draft)
-    except BaseException:
-        tgt.close()
-        raise
+    return session.load(target, drafter, backend=backend, num_draft=num_draft, n_ctx=n_ctx, threads=threads,
+                        n_gpu_layers=n_gpu_layers, verbose=verbose)

@@ -155,3 +155,13 @@ def render_chat(template: str | None, messages: list[dict], *, bos_token: str = 
     # The template is untrusted code: whatever it raises (TypeError, ZeroDivisionError, ...) is its fault.
     except Exception as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+
+
+def chat_prompt(target: Any, messages: list[dict]) -> tuple[str, bool]:
+    """The conversation rendered with `target`'s chat template (None: a plain fallback), and
+    whether the tokenizer should still add BOS (not when the template wrote it)."""
+    text_of = target.vocab_fingerprint().token_text
+    bos = text_of(target.bos_id) if target.bos_id is not None else ""
+    eos = text_of(target.eos_id) if target.eos_id is not None else ""
+    text = render_chat(target.metadata("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
+    return text, not (bos and text.startswith(bos))

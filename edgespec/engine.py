@@ -16,16 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.backends.base import Backend
-from edgespec.calibration import load_acceptance, pair_path, save_acceptance
-from edgespec.drafters.base import Draft, DraftCost, Drafter, reusable_prefix
+from edgespec.calibration import CostProfile
+from edgespec.drafters.base import Draft, Drafter, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
+from edgespec.pricing import Pricing
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.scheduler import K_MAX, CostModel, Scheduler
-from edgespec.stats import Stats, peak_rss_mb
+from edgespec.scheduler import K_MAX, Scheduler, check_num_draft
+from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import accept_greedy, verify_stochastic
-
-MIN_CHUNK = 4  # the smallest verification split worth making (see Engine._verify_pass)
 
 
 @dataclass(frozen=True)
@@ -38,15 +37,6 @@ class Chunk:
     finish_reason: str | None = None  # set on the last chunk: "eos", "length", "stop", "cancelled"
 
 
-@dataclass(frozen=True)
-class Costs:
-    """The target's measured costs the scheduler starts from (see `Engine.calibrate`)."""
-
-    t_forward_ms: dict[int, float]  # k -> ms of a k-token forward after CONTEXT_TOKENS cached tokens
-    ctx_ms: float  # ms each verified token pays per cached token beyond that
-    exact_batch: int | None  # most tokens one verification forward may take and stay exact
-
-
 @dataclass
 class Generation:
     text: str
@@ -56,22 +46,20 @@ class Generation:
 
 
 class Engine:
-    """A target backend plus an optional drafter. Use `load()` to build one from model files.
+    """A target backend plus an optional drafter, and what they cost (`pricing`: the scheduler's
+    source). Use `load()` to build one from model files.
 
     Not safe for two generations at once; `cancel()` may be called from any thread.
     """
 
-    def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int | str = "auto") -> None:
+    def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int | str = "auto",
+                 pricing: Pricing | None = None) -> None:
         self.target = target
-        self.drafter = drafter
+        self.drafter = drafter  # may be swapped between generations (bench): schedulers are per drafter
         self.num_draft = check_num_draft(num_draft)
+        self.pricing = pricing or Pricing(target)
         self.last_stats: Stats | None = None
         self._kv: list[int] = []
-        self._t_forward: dict[int, float] | None = None  # the target's T(k) prior for the scheduler
-        self._ctx_ms = 0.0  # what each cached token adds to each verified token's time (ms)
-        self._exact: int | None = None  # most tokens one verification forward may take (see exact_batch)
-        self._draft_cost: dict[object, DraftCost | None] = {}  # the scheduler's draft-cost prior, per drafter
-        self._schedulers: dict[tuple[object, bool], Scheduler] = {}  # per (drafter, greedy)
         self._cancel = threading.Event()
         self._busy = threading.Lock()
 
@@ -128,9 +116,10 @@ class Engine:
         # the lock comes before anything that touches the target: calibration resets its KV cache
         self._lock()
         try:
-            if gamma != 0:
-                self._measure_exact_batch()
-            sched = self._scheduler(params) if gamma == "auto" else None
+            if gamma != 0:  # pricing may time the target in its KV cache: the context is forgotten then
+                self.pricing.measure_exact_batch()
+            sched = self.pricing.scheduler(self.drafter, params.greedy) if gamma == "auto" else None
+            self._forget_evicted()
             ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                    else [int(t) for t in prompt])
             if not ids:
@@ -142,8 +131,7 @@ class Engine:
             self._cancel.clear()
             yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
         finally:
-            if self.target.n_past < len(self._kv):  # the backend reset itself after an error
-                del self._kv[self.target.n_past:]
+            self._forget_evicted()  # the backend reset itself after an error
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
 
@@ -163,16 +151,10 @@ class Engine:
         return self.generate(text, parse_special=True, add_special=add_bos, **kwargs)
 
     def chat_prompt(self, messages: list[dict]) -> tuple[str, bool]:
-        """The conversation rendered with the target's chat template (None: a plain fallback), and
-        whether the tokenizer should still add BOS (not when the template wrote it)."""
-        from edgespec.chat import render_chat
+        """The conversation as prompt text, and whether to add BOS (edgespec.chat.chat_prompt)."""
+        from edgespec.chat import chat_prompt
 
-        t = self.target
-        text_of = t.vocab_fingerprint().token_text
-        bos = text_of(t.bos_id) if t.bos_id is not None else ""
-        eos = text_of(t.eos_id) if t.eos_id is not None else ""
-        text = render_chat(t.metadata("tokenizer.chat_template"), messages, bos_token=bos, eos_token=eos)
-        return text, not (bos and text.startswith(bos))
+        return chat_prompt(self.target, messages)
 
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
         """Load (or time, and cache per model) the cost profiles that num_draft="auto" starts from:
@@ -181,16 +163,15 @@ class Engine:
         Refused while the engine is generating (timing uses the target's KV cache)."""
         self._lock()
         try:
-            self._calibrate(note)
+            self.pricing.calibrate(self.drafter, note)
+            self._forget_evicted()
         finally:
             self._busy.release()
 
     @property
-    def costs(self) -> Costs | None:
+    def costs(self) -> CostProfile | None:
         """What calibration measured (None before it ran): T(k), the context term, the exact batch."""
-        if self._t_forward is None:
-            return None
-        return Costs(dict(self._t_forward), self._ctx_ms, self._exact)
+        return self.pricing.costs
 
     def cancel(self) -> None:
         """Stop the running generation after its current cycle (thread-safe)."""
@@ -216,49 +197,9 @@ class Engine:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
 
-    def _calibrate(self, note: Callable[[str], None] | None = None) -> None:
-        from edgespec.calibration import calibrate, context_cost
-
-        self._measure_exact_batch(note)
-        if self._t_forward is None:  # timed in the forwards verification makes (_verify_pass)
-            self._t_forward = calibrate(self.target, note=note, chunk=self._chunk)
-            self._ctx_ms = context_cost(self.target, chunk=self._chunk, note=note)
-            self.reset()
-        if self.drafter is not None and self.drafter not in self._draft_cost:
-            # a draft model times its own T(1), a feature head its chain step or block; n-gram is free (None)
-            self._draft_cost[self.drafter] = self.drafter.cost_prior(note=note)
-
-    @property
-    def _chunk(self) -> int | None:
-        """Most tokens one verification forward takes (None: no limit; see _verify_pass)."""
-        return self._exact if self._exact and self._exact >= MIN_CHUNK else None
-
-    def _measure_exact_batch(self, note: Callable[[str], None] | None = None) -> None:
-        """How many tokens one verification forward may take (cached per model after the first time)."""
-        if self._exact is None:
-            from edgespec.calibration import exact_batch
-
-            self._exact = exact_batch(self.target, note=note)
-            self.reset()  # measuring used the target's KV cache
-
-    def _scheduler(self, params: SamplingParams) -> Scheduler:
-        """The scheduler for this drafter and sampling mode (acceptance differs with temperature);
-        it keeps what it learned across generations."""
-        key = (self.drafter, params.greedy)
-        if key not in self._schedulers:
-            from edgespec.calibration import CONTEXT_TOKENS
-
-            self._calibrate()
-            assert self._t_forward is not None
-            cost = CostModel.for_drafter(self._t_forward, self._draft_cost.get(self.drafter),
-                                         ctx_ms=self._ctx_ms, base_context=CONTEXT_TOKENS,
-                                         recurrent=self.target.recurrent)
-            self._schedulers[key] = Scheduler(cost, prior=load_acceptance(self._pair_path(params)))
-        return self._schedulers[key]
-
-    def _pair_path(self, params: SamplingParams):
-        """Where what the scheduler learned of this (target, drafter) pair's acceptance is kept."""
-        return pair_path(self.target, self.drafter.paths if self.drafter else (), params.greedy)
+    def _forget_evicted(self) -> None:
+        """Keep `_kv` to what the target still holds (pricing and errors reset the target's cache)."""
+        del self._kv[self.target.n_past:]
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -277,8 +218,7 @@ class Engine:
         while True:
             room = n_ctx - len(self._kv) - 1  # positions left after `pending`
             if self._cancel.is_set() or room < 0:
-                stats.peak_rss_mb = peak_rss_mb()
-                stats.t_window = time.perf_counter() - t_prefilled
+                stats.finish(time.perf_counter() - t_prefilled)
                 yield Chunk(stops.flush() + decoder.flush(), [], [], "cancelled" if room >= 0 else "length")
                 return
             g = max(0, min(K_MAX - 1 if sched else int(gamma), max_tokens - generated - 1, room))
@@ -303,10 +243,10 @@ class Engine:
             flags = [i < n_acc for i in range(len(emitted))]
             stats.t_other += time.perf_counter() - t_post
             if reason is not None:
-                stats.peak_rss_mb = peak_rss_mb()
-                stats.t_window = time.perf_counter() - t_prefilled
+                stats.finish(time.perf_counter() - t_prefilled)
             if reason is not None and sched is not None:  # what the pair showed, for the next engine
-                save_acceptance(self._pair_path(params), sched.judged[0] - judged[0], sched.judged[1] - judged[1])
+                self.pricing.remember(self.drafter, params.greedy, sched.judged[0] - judged[0],
+                                      sched.judged[1] - judged[1])
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
                 return
@@ -358,40 +298,18 @@ class Engine:
         self.target.truncate(len(self._kv))  # roll back the rejected drafts (recurrent: re-evaluates)
         t3 = time.perf_counter()
         rollback = t3 - t_cut if self.target.recurrent and n < len(x) else 0.0
-        if rollback:
-            stats.t_rollback += rollback
-            stats.n_rollbacks += 1
         if sched is not None:
             sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1 - rollback, n_cached,
                           rollback=rollback)
             sched.emitted([*x[:n], token], rows)
-        stats.record_cycle(len(x), n, t3 - t0, plan)
-        stats.t_draft += t1 - t0
-        stats.t_verify += t2 - t1
-        stats.t_other += time.perf_counter() - t2
+        stats.record_cycle(len(x), n, t3 - t0, plan, (t1 - t0, t2 - t1, rollback, time.perf_counter() - t2))
         return [*x[:n], token], n
-
 
     def _verify_pass(self, tokens: list[int], greedy: bool = False) -> np.ndarray:
         """All logit rows for `tokens` (greedy: their argmax ids), in forwards no longer than the
-        target evaluates exactly as single steps (plain decoding's view); usually one forward. A
-        target exact only below MIN_CHUNK tokens (F16 weights on CPU) is not split: that would rule
-        speculation out, and its deviations are near-ties (docs/known-limits.md)."""
-        n = self._chunk or len(tokens)
+        target evaluates exactly as single steps (plain decoding's view, Pricing.chunk); usually one."""
+        n = self.pricing.chunk or len(tokens)
         forward = self.target.eval_argmax if greedy else lambda chunk: self.target.eval(chunk, rows="all")
         if len(tokens) <= n:
             return forward(tokens)
         return np.concatenate([forward(tokens[i:i + n]) for i in range(0, len(tokens), n)])
-
-
-def check_num_draft(value: int | str) -> int | str:
-    """γ ≥ 0, or "auto"."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        gamma = int(value)
-    except (TypeError, ValueError):
-        raise EdgespecError(f"num_draft must be an integer >= 0 or 'auto' (got {value!r})") from None
-    if gamma < 0:
-        raise EdgespecError(f"num_draft must be >= 0 or 'auto' (got {gamma})")
-    return gamma

@@ -35,6 +35,7 @@ import numpy as np
 
 from edgespec.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
+from edgespec.errors import EdgespecError
 from edgespec.sampling import Dist, SamplingParams
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
@@ -360,3 +361,16 @@ class Scheduler:
             budget = max(budget, PROBE_SHARE * (self.potential(self.long_run()) - 1.0))
         budget = budget if g_opt > 0 else budget / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0
+
+
+def check_num_draft(value: int | str) -> int | str:
+    """γ ≥ 0, or "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise EdgespecError(f"num_draft must be an integer >= 0 or 'auto' (got {value!r})") from None
+    if gamma < 0:
+        raise EdgespecError(f"num_draft must be >= 0 or 'auto' (got {gamma})")
+    return gamma

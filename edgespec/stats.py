@@ -112,16 +112,30 @@ class Stats:
         """Decode speed: generated tokens over decode time (prompt processing excluded)."""
         return self.n_tokens / self.t_decode if self.t_decode > 0 else 0.0
 
-    def record_cycle(self, n_draft: int, n_accepted: int, seconds: float = 0.0, plan: Decision | None = None) -> None:
+    def record_cycle(self, n_draft: int, n_accepted: int, seconds: float = 0.0, plan: Decision | None = None,
+                     split: tuple[float, float, float, float] | None = None) -> None:
+        """One cycle: `seconds` in all; `split` = its time drafting, verifying, rolling back (a
+        recurrent target's re-evaluation) and after verifying (rolling back included)."""
         self.cycles.append((n_draft, n_accepted))
         if n_draft == 0:
             self.t_plain += seconds
+        if split is not None:
+            self.t_draft += split[0]
+            self.t_verify += split[1]
+            self.t_rollback += split[2]
+            self.n_rollbacks += split[2] > 0
+            self.t_other += split[3]
         if plan is not None:
             self.n_planned += 1
             self.n_probes += plan.probe
             self.t_schedule += plan.seconds
             self.predicted_tokens += plan.tokens
             self.predicted_s += plan.ms / 1000
+
+    def finish(self, t_window: float) -> None:
+        """The generation ended `t_window` seconds after its prompt was read."""
+        self.peak_rss_mb = peak_rss_mb()
+        self.t_window = t_window
 
     def merge(self, other: Stats) -> Stats:
         out = Stats()

@@ -219,7 +219,7 @@ def test_verification_is_split_where_the_backend_is_not_batch_invariant():
         plain = engine.generate(prompt, max_tokens=64, speculative=False)
         spec = engine.generate(prompt, max_tokens=64)
         assert spec.tokens == plain.tokens and spec.stats.n_accepted > 0
-    assert engine._exact == 4
+    assert engine.pricing.exact == 4
 
 
 def test_calibrating_a_used_draft_model_keeps_its_drafts_in_sync():

@@ -60,114 +60,123 @@ def bench(
     if suite is not None and tasks is not None:
         raise EdgespecError("--suite and --tasks are mutually exclusive: --tasks runs your own task file(s), "
                             "--suite a built-in suite")
-    import dataclasses
-
     from edgespec.backends.llama_cpp import default_threads
-    from edgespec.bench import report
-    from edgespec.bench.run import Config, environment, run_matrix, runs_as_dicts, summarize
-    from edgespec.bench.tasks import load_tasks
-    from edgespec.calibration import profile_path
-    from edgespec.drafters.base import FeatureTarget
-    from edgespec.drafters.registry import open_backend, open_drafter, open_target
-    from edgespec.engine import Engine, check_num_draft
-    from edgespec.models import model_sha256
+    from edgespec.bench.run import Config
+    from edgespec.scheduler import check_num_draft
+    from edgespec.session import Session, plan
 
     threads = threads or default_threads()
+    selected = _select(suite, tasks, category, per_category, max_tokens)
+    gammas = [check_num_draft(g) for g in (k or ["4", "auto"])]
+    configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
+    temps = temp or [0.0]
+    # a head drafts from target features: speculative runs use a target that captures them, plain runs a
+    # plain backend of the same file (Session.plain_engine), so plain tok/s does not pay for the capture
+    with Session(plan(target, [c.drafter for c in configs], backend, threads=threads, n_ctx=ctx)) as session:
+        if "auto" in gammas:
+            session.price(note=ui.status)  # the scheduler's cost prior (cached profiles)
+        runs, interrupted, mismatches = _run(session, configs, selected, temps, repeats)
+        meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]),
+                    target=session.engine.target.path, threads=threads, configs=[c.label for c in configs],
+                    temperatures=temps, repeats=repeats, tasks=[t.id for t in selected],
+                    interrupted_after=len(runs) if interrupted else None)
+        _report(session, configs, runs, meta, out, f"edgespec profile --model {target} --threads {threads}")
+    if mismatches:
+        ui.print_error(f"{len(mismatches)} greedy run(s) differ from plain decoding: {', '.join(mismatches[:5])}")
+        if strict:
+            raise typer.Exit(1)
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _select(suite: str | None, tasks: str | None, category: list[str] | None, per_category: int,
+            max_tokens: int | None) -> list:
+    """The tasks to run: per category at most `per_category`, each capped at `max_tokens`."""
+    import dataclasses
+
     if suite == "spec-bench":
         from edgespec.bench.spec_bench import load_spec_bench
 
         chosen = load_spec_bench(category, per_category)  # already per_category, spread over each category
     else:
+        from edgespec.bench.tasks import load_tasks
+
         chosen = load_tasks(tasks, category)
     by_cat: dict[str, list] = {}
     for t in chosen:
         if len(by_cat.setdefault(t.category, [])) < per_category:
             by_cat[t.category].append(dataclasses.replace(t, max_tokens=min(t.max_tokens, max_tokens or t.max_tokens)))
-    selected = [t for ts in by_cat.values() for t in ts]
-    gammas = [check_num_draft(g) for g in (k or ["4", "auto"])]
-    configs = [Config(d, g) for d in (drafter or ["ngram"]) for g in gammas]
-    temps = temp or [0.0]
-    # a head drafts from target features: speculative runs use a target that captures them, plain runs a
-    # plain backend of the same file, so plain tok/s does not pay for the capture
-    engine = Engine(open_target(target, [c.drafter for c in configs], backend, threads=threads, n_ctx=ctx))
-    plain_engine = (Engine(open_backend(target, backend, threads=threads, n_ctx=ctx))
-                    if isinstance(engine.target, FeatureTarget) else None)
-    drafters = {}
+    return [t for ts in by_cat.values() for t in ts]
+
+
+def _run(session, configs: list, selected: list, temps: list[float], repeats: int) -> tuple[list, bool, list[str]]:
+    """Every run (plain and speculative alternating), whether Ctrl-C cut it short, the greedy mismatches."""
+    from edgespec.bench.run import run_matrix
+
+    engine = session.engine
+    chat = engine.target.metadata("tokenizer.chat_template") is not None
+    total = len(selected) * len(temps) * repeats * len(configs) * 2
+    ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
+              f"config(s), each paired with a plain run: {total} generations "
+              f"({'chat template' if chat else 'plain prompts'})")
+    runs, mismatches = [], []
+
+    def on_run(r) -> None:
+        runs.append(r)
+        advance(len(runs))
+        if r.matches_plain is False:
+            mismatches.append(f"{r.task} {r.config}")
+            ui.print_error(f"greedy mismatch: {r.task} with {r.config} differs from plain decoding")
+
     try:
-        for d in {c.drafter for c in configs}:
-            drafters[d] = engine.drafter = open_drafter(d, engine.target, backend, threads=threads, n_ctx=ctx)
-            if "auto" in gammas:
-                engine.calibrate(note=ui.status)  # the scheduler's cost prior (cached profiles)
-        chat = engine.target.metadata("tokenizer.chat_template") is not None
-        total = len(selected) * len(temps) * repeats * len(configs) * 2
-        ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
-                  f"config(s), each paired with a plain run: {total} generations "
-                  f"({'chat template' if chat else 'plain prompts'})")
-        runs, mismatches = [], []
+        with ui.progress("bench", total) as advance:
+            drafters = {c.drafter: session.drafters.get(c.drafter) for c in configs}  # "none": None
+            run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run, session.plain_engine())
+    except KeyboardInterrupt:  # keep what was measured: write the report of the runs so far
+        ui.interrupted()
+        runs = runs[: len(runs) - len(runs) % 2]  # whole plain/spec pairs only
+        if not runs:
+            raise typer.Exit(130) from None
+        return runs, True, mismatches
+    return runs, False, mismatches
 
-        def on_run(r) -> None:
-            runs.append(r)
-            advance(len(runs))
-            if r.matches_plain is False:
-                mismatches.append(f"{r.task} {r.config}")
-                ui.print_error(f"greedy mismatch: {r.task} with {r.config} differs from plain decoding")
 
-        interrupted = False
-        try:
-            with ui.progress("bench", total) as advance:
-                run_matrix(engine, drafters, configs, selected, temps, repeats, chat, on_run, plain_engine)
-        except KeyboardInterrupt:  # keep what was measured: write the report of the runs so far
-            interrupted = True
-            runs = runs[: len(runs) - len(runs) % 2]  # whole plain/spec pairs only
-            ui.interrupted()
-            if not runs:
-                raise typer.Exit(130) from None
-        def sha256(path: str) -> str:
-            return model_sha256(path) if Path(path).is_file() else "(an MLX directory)"
+def _report(session, configs: list, runs: list, meta: dict, out: Path, profile_cmd: str) -> None:
+    """results.json, results.md, the plots, and the all-categories table on the terminal."""
+    from edgespec.bench import report
+    from edgespec.bench.run import environment, runs_as_dicts, summarize
+    from edgespec.calibration import profile_path
+    from edgespec.models import model_sha256
 
-        sha = {engine.target.path: sha256(engine.target.path)}
-        draft_cost = {}  # config label -> the drafter's cost prior (a draft model's own T(1) per token)
-        for name, d in drafters.items():
-            if d is None:
-                continue
-            sha.update({p: sha256(p) for p in d.paths})
-            if (cost := d.cost_prior(note=ui.status)) is not None:
-                draft_cost.update({c.label: cost for c in configs if c.drafter == name})
-        t_fwd = _cached_profile(profile_path(engine.target))
-        if t_fwd is None:
-            ui.status(f"no cost profile for this target/threads: run `edgespec profile --model {target} "
-                      f"--threads {threads}` to get efficiency figures")
-        summary = summarize(runs, t_fwd, draft_cost)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(command=" ".join(["edgespec", *map(shlex.quote, sys.argv[1:])]), target=engine.target.path,
-                    threads=threads, env=environment(), sha256=sha, configs=[c.label for c in configs],
-                    temperatures=temps, repeats=repeats, tasks=[t.id for t in selected],
-                    interrupted_after=len(runs) if interrupted else None)
-        report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
-        pngs = report.plots(out, summary)
-        (out / "results.md").write_text(report.markdown(meta, summary, pngs))
-        ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ",
-                        "wasted verify / token", "mismatches"],
-                       [[r["config"], f"{r['temperature']:g}", f"{r['plain_tok_per_s']:.1f}", f"{r['tok_per_s']:.1f}",
-                         f"{r['speedup_min']:.2f} / {r['speedup_median']:.2f} / {r['speedup_max']:.2f}",
-                         f"{r['tau']:.2f}", f"{r['wasted_per_token']:.2f}", r["mismatches"]]
-                        for r in summary if r["category"] == "all"],
-                       title="all categories (per-category tables in results.md)")
-        ui.status(f"wrote {out / 'results.md'}, results.json" + (f", {', '.join(pngs)}" if pngs else ""))
-        if mismatches:
-            ui.print_error(f"{len(mismatches)} greedy run(s) differ from plain decoding: {', '.join(mismatches[:5])}")
-            if strict:
-                raise typer.Exit(1)
-        if interrupted:
-            raise typer.Exit(130)
-    finally:
-        for d in drafters.values():
-            if d is not None:
-                d.close()
-        engine.drafter = None
-        engine.close()
-        if plain_engine is not None:
-            plain_engine.close()
+    def sha256(path: str) -> str:
+        return model_sha256(path) if Path(path).is_file() else "(an MLX directory)"
+
+    target = session.engine.target
+    sha = {target.path: sha256(target.path)}
+    draft_cost = {}  # config label -> the drafter's cost prior (a draft model's own T(1) per token)
+    for name, d in session.drafters.items():
+        if d is None:
+            continue
+        sha.update({p: sha256(p) for p in d.paths})
+        if (cost := d.cost_prior(note=ui.status)) is not None:
+            draft_cost.update({c.label: cost for c in configs if c.drafter == name})
+    t_fwd = _cached_profile(profile_path(target))
+    if t_fwd is None:
+        ui.status(f"no cost profile for this target/threads: run `{profile_cmd}` to get efficiency figures")
+    summary = summarize(runs, t_fwd, draft_cost)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(meta, env=environment(), sha256=sha)
+    report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
+    pngs = report.plots(out, summary)
+    (out / "results.md").write_text(report.markdown(meta, summary, pngs))
+    ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ",
+                    "wasted verify / token", "mismatches"],
+                   [[r["config"], f"{r['temperature']:g}", f"{r['plain_tok_per_s']:.1f}", f"{r['tok_per_s']:.1f}",
+                     f"{r['speedup_min']:.2f} / {r['speedup_median']:.2f} / {r['speedup_max']:.2f}",
+                     f"{r['tau']:.2f}", f"{r['wasted_per_token']:.2f}", r["mismatches"]]
+                    for r in summary if r["category"] == "all"],
+                   title="all categories (per-category tables in results.md)")
+    ui.status(f"wrote {out / 'results.md'}, results.json" + (f", {', '.join(pngs)}" if pngs else ""))
 
 
 def _cached_profile(path: Path | None) -> dict[int, float] | None:

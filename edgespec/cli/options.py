@@ -43,8 +43,8 @@ class RunOptions:
     def check(self) -> None:
         """Reject bad values before any model is loaded."""
         from edgespec.drafters.registry import BACKENDS
-        from edgespec.engine import check_num_draft
         from edgespec.sampling import SamplingParams
+        from edgespec.scheduler import check_num_draft
 
         SamplingParams(self.temp, self.top_k, self.top_p, self.min_p)
         if self.backend not in BACKENDS:
@@ -60,17 +60,13 @@ class RunOptions:
 
     def load(self) -> Engine:
         """The Engine for these options (no drafter with --no-spec or --drafter none)."""
-        import edgespec
+        from edgespec.cli import ui
+        from edgespec.session import load
 
         self.check()
-        drafter = None if self.no_spec or self.drafter.lower() == "none" else self.drafter
-        engine = edgespec.load(self.target, drafter, backend=self.backend, n_ctx=self.ctx, threads=self.threads,
-                               n_gpu_layers=self.gpu_layers, num_draft=self.gamma, verbose=self.verbose)
-        if engine.num_draft == "auto" and engine.drafter is not None:
-            from edgespec.cli import ui
-
-            engine.calibrate(note=ui.status)  # cached after the first time
-        return engine
+        drafter = None if self.no_spec else self.drafter
+        return load(self.target, drafter, backend=self.backend, num_draft=self.gamma, note=ui.status, price=True,
+                    n_ctx=self.ctx, threads=self.threads, n_gpu_layers=self.gpu_layers, verbose=self.verbose)
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Engine.stream / stream_chat."""
@@ -80,7 +76,7 @@ class RunOptions:
     @property
     def gamma(self) -> int | str:
         """--num-draft as the engine takes it: an int, or "auto"."""
-        from edgespec.engine import check_num_draft
+        from edgespec.scheduler import check_num_draft
 
         return check_num_draft(self.num_draft)
 

@@ -1,127 +1,198 @@
-"""The one door to drafters: a drafter spec becomes a Drafter here, with the target it needs.
+"""Drafter specs and the tables that open models and drafters (edgespec.session assembles with them).
 
 A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt lookup), "history[:MAX_TOKENS]
 [@CORPUS_FILE]" (lookup in the context, earlier ones and a corpus), a GGUF path or known model name with the
 target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3 ("eagle3") or DFlash ("dflash"; DSpark
 with the Markov head, markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted
-once against the target and cached (drafters.heads). A head drafts from the target's hidden states, so
-its target is opened to capture the layers the head reads: `open_target` decides that.
+once against the target and cached (drafters.heads).
+
+`plan_drafter` reads a spec once, with file work only (names resolved, a checkpoint converted, a head's
+header read and checked against the target's), into a frozen DrafterPlan; `open_drafter` opens a plan
+through one table of kinds, and `open_backend` a resolved model file through one table of runtimes. A head
+drafts from the target's hidden states: its target is opened with `layers`, the ids the head reads.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Drafter
-from edgespec.drafters.heads import HeadImpl, check_target_header, converted, open_head, read_head
+from edgespec.drafters.heads import HeadFile, HeadImpl, check_target_header, converted, open_head, read_head
 from edgespec.errors import EdgespecError
 
 BACKENDS = ("llama.cpp", "mlx")
 Spec = str | os.PathLike[str]
 
-# -- targets ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DrafterPlan:
+    """A drafter spec, read once: what `open_drafter` opens."""
+
+    spec: str  # as the user named it (messages and bench configs quote it)
+    kind: str  # "ngram", "history", "model" or "head"
+    path: Path | None = None  # a draft model's file (or MLX directory); a head's GGUF
+    numbers: tuple[int, ...] = ()  # ngram: N_MAX[, N_MIN]; history: MAX_TOKENS
+    corpus: Path | None = None  # history's corpus file
+    head: HeadFile | None = None  # a head's header (its target layers, hidden size, vocabulary)
 
 
-def open_backend(model: Spec, backend: str = "llama.cpp", **options: Any) -> Backend:
-    """Open one model file (or known model name; on "mlx" also an mlx-lm directory) on a backend.
-
-    Args:
-        model: the GGUF path, known model name or (on "mlx") mlx-lm directory.
-        backend: "llama.cpp" or "mlx".
-        **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
-    """
+def plan_drafter(spec: Spec | None, target: Path | None) -> DrafterPlan | None:
+    """Read `spec` for the target file `target` (resolved; None: the default): None for no drafter;
+    one-line errors for a malformed spec, a missing corpus, or a head made for another target."""
+    if spec is None or str(spec).lower() == "none":
+        return None
+    text = str(spec)
+    if text == "ngram" or text.startswith("ngram:"):
+        usage = "use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' with whole numbers (e.g. ngram:4:2)"
+        return DrafterPlan(text, "ngram", numbers=_numbers(text, "n-gram", 2, usage))
+    if text == "history" or text.startswith(("history:", "history@")):
+        head, at, corpus = text.partition("@")
+        usage = "use 'history[:MAX_TOKENS][@CORPUS_FILE]' (e.g. history@notes.txt)"
+        if at and not corpus:
+            raise EdgespecError(f"bad history drafter {text!r}: {usage}")
+        numbers = _numbers(head, "history", 1, usage)
+        path = Path(corpus).expanduser() if corpus else None
+        if path is not None and not path.is_file():
+            raise EdgespecError(f"history corpus file {corpus} not found")
+        return DrafterPlan(text, "history", numbers=numbers, corpus=path)
+    spec = converted(spec, target)
+    head = read_head(spec)
+    if head is not None:
+        if target is not None:
+            check_target_header(head, target)
+        return DrafterPlan(text, "head", Path(head.path).expanduser(), head=head)
     from edgespec.models import resolve_model
 
-    _check_backend(backend)
-    path = resolve_model(str(model))  # the one place a model name becomes a path
-    if backend == "mlx":  # a GGUF file (converted once) or an mlx-lm directory
-        from edgespec.backends.mlx import MlxBackend
-
-        return MlxBackend(path, **options)
-    from edgespec.backends.llama_cpp import LlamaCppBackend
-
-    return LlamaCppBackend(path, **options)
+    return DrafterPlan(text, "model", resolve_model(str(spec)))
 
 
-def open_target(target: Spec | None, drafter: Spec | Sequence[Spec] | None = None, backend: str = "llama.cpp",
-                **options: Any) -> Backend:
-    """The target `drafter` drafts for: when it is a feature head, a target that captures the layers
-    the head reads (LlamaFeatureBackend, or MlxFeatureBackend on "mlx"), after checking the
-    target's header (hidden size, layer ids in 1..n_layer−1); else a plain backend.
+def _numbers(text: str, name: str, most: int, usage: str) -> tuple[int, ...]:
+    parts = text.split(":")[1:]
+    if len(parts) > most or not all(p.isdigit() for p in parts):
+        raise EdgespecError(f"bad {name} drafter {text!r}: {usage}")
+    return tuple(int(p) for p in parts)
+
+
+# -- open: models ----------------------------------------------------------------------------------
+
+
+def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] | None = None,
+                 **options: Any) -> Backend:
+    """Open a resolved model file (on "mlx" also an mlx-lm directory) on `backend`; with `layers`, a
+    target that also captures the hidden states at those layer ids (for a feature head).
 
     Args:
-        target: GGUF path or known model name (on "mlx" also an mlx-lm directory); None: the default.
-        drafter: a drafter spec, or several (bench): the first head among them decides the features.
+        path: the GGUF file or MLX directory (edgespec.models.resolve_model has made names paths).
         backend: "llama.cpp" or "mlx".
+        layers: target layer ids whose inputs a feature head reads (None: a plain backend).
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
-    from edgespec.models import DEFAULT_TARGET, resolve_model
-
-    _check_backend(backend)
-    specs = [] if drafter is None else [drafter] if isinstance(drafter, (str, os.PathLike)) else list(drafter)
-    specs = [converted(s, target) for s in specs]
-    head = next((h for h in map(read_head, specs) if h is not None), None)
-    if head is None:
-        return open_backend(target or DEFAULT_TARGET, backend, **options)
-    path = resolve_model(str(target or DEFAULT_TARGET))
-    check_target_header(head, path)
-    if backend == "mlx":
-        from edgespec.backends.mlx_features import MlxFeatureBackend
-
-        return MlxFeatureBackend(path, layers=head.layers, **options)
-    from edgespec.backends.llama_features import LlamaFeatureBackend
-
-    return LlamaFeatureBackend(path, layers=head.layers, **options)
+    check_backend(backend)
+    if layers is not None:
+        options["layers"] = tuple(layers)
+    return _BACKENDS[backend, layers is not None]()(path, **options)
 
 
-def _check_backend(backend: str) -> None:
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise EdgespecError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
-# -- drafters -----------------------------------------------------------------------------------------
+
+def _llama() -> type:
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+
+    return LlamaCppBackend
 
 
-def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp", *, impl: HeadImpl = "auto",
-                 **options: Any) -> Drafter | None:
-    """The drafter for `spec` on `target` (a head's target opened by `open_target`).
+def _llama_features() -> type:
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+
+    return LlamaFeatureBackend
+
+
+def _mlx() -> type:
+    from edgespec.backends.mlx import MlxBackend
+
+    return MlxBackend
+
+
+def _mlx_features() -> type:
+    from edgespec.backends.mlx_features import MlxFeatureBackend
+
+    return MlxFeatureBackend
+
+
+# (runtime, captures features) -> the backend class, imported on use (llama.cpp and MLX are extras)
+_BACKENDS: dict[tuple[str, bool], Callable[[], type]] = {
+    ("llama.cpp", False): _llama, ("llama.cpp", True): _llama_features,
+    ("mlx", False): _mlx, ("mlx", True): _mlx_features}
+
+
+# -- open: drafters --------------------------------------------------------------------------------
+
+
+def open_drafter(plan: DrafterPlan | Spec | None, target: Backend, backend: str = "llama.cpp", *,
+                 impl: HeadImpl = "auto", **options: Any) -> Drafter | None:
+    """The drafter `plan` names, drafting for `target` (a head's target opened with its layers).
 
     Args:
-        spec: None / "none" → no drafter; "ngram" or "ngram:N_MAX[:N_MIN]" → NgramDrafter;
-            "history[:MAX_TOKENS][@CORPUS_FILE]" → HistoryDrafter (docs/history.md); an EAGLE-3
-            head GGUF → EagleDrafter; a DFlash head GGUF → DFlashDrafter (DSparkDrafter with a
-            Markov head); a published head checkpoint directory → its converted GGUF's drafter;
-            else a same-vocabulary draft model (DraftModelDrafter) on `backend`.
+        plan: from `plan_drafter`, or a spec, planned here against the target (None: no drafter).
         target: the opened target.
         backend: the draft model's backend.
-        impl: where a head runs: "llama" on libllama, "mlx" on MLX, "numpy" on the numpy reference
-            (all tested equal); "auto" takes libllama for a llama.cpp target and MLX for an MLX
-            target. Measured on SmolLM2 (1 thread, T(1) 11 ms) with a random F16 EAGLE-3 head, a
-            chain step costs 0.9 ms on libllama against 56 ms in numpy at V_d 8192 (numpy's
-            float64 matmuls convert the weights on every call); on MLX 6.2 ms against 61 ms. A
-            DSpark head's Markov head runs in numpy on every impl.
+        impl: where a head runs (drafters.heads.open_head): "auto" takes the target's runtime.
         **options: as for LlamaCppBackend / MlxBackend; a libllama head takes `threads`.
 
     Raises:
         EdgespecError (VocabMismatchError) naming both files unless the drafter can draft for `target`.
     """
-    if spec is None or str(spec).lower() == "none":
+    if not isinstance(plan, DrafterPlan):
+        plan = plan_drafter(plan, Path(target.path) if target is not None else None)
+    if plan is None:
         return None
-    text = str(spec)
-    if text == "ngram" or text.startswith("ngram:"):
-        return _ngram(text)
-    if text == "history" or text.startswith(("history:", "history@")):
-        return _history(text, target)
-    spec = converted(spec, target.path)
-    head = read_head(spec)
-    if head is not None:
-        return open_head(head, target, impl, options.get("threads"))
+    return _DRAFTERS[plan.kind](plan, target, backend, impl, options)
+
+
+def _ngram(plan: DrafterPlan, *_: Any) -> Drafter:
+    from edgespec.drafters.ngram import NgramDrafter
+
+    try:
+        return NgramDrafter(*plan.numbers)
+    except ValueError as e:
+        raise EdgespecError(f"bad n-gram drafter {plan.spec!r}: {e}") from None
+
+
+def _history(plan: DrafterPlan, target: Backend, *_: Any) -> Drafter:
+    """A HistoryDrafter, its corpus (if any) tokenized by the target."""
+    from edgespec.drafters.history import HistoryDrafter
+
+    docs = []
+    if plan.corpus is not None:
+        try:
+            docs = [target.tokenize(plan.corpus.read_text(encoding="utf-8"), add_special=False)]
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"cannot read history corpus file {plan.corpus}: {e}") from None
+    try:
+        return HistoryDrafter(*plan.numbers, corpus_tokens=docs)
+    except ValueError as e:
+        raise EdgespecError(f"bad history drafter {plan.spec!r}: {e}") from None
+
+
+def _head(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
+    assert plan.head is not None
+    return open_head(plan.head, target, impl, options.get("threads"))
+
+
+def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl,
+                 options: dict[str, Any]) -> Drafter:
     from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 
-    model = open_backend(spec, backend, **options)
+    assert plan.path is not None
+    model = open_backend(plan.path, backend, **options)
     try:
         check_vocab_compatible(target, model)
     except BaseException:
@@ -130,37 +201,11 @@ def open_drafter(spec: Spec | None, target: Backend, backend: str = "llama.cpp",
     return DraftModelDrafter(model, target.n_vocab)
 
 
-def _ngram(text: str) -> Drafter:
-    from edgespec.drafters.ngram import NgramDrafter
-
-    parts = text.split(":")[1:]
-    if len(parts) > 2 or not all(p.isdigit() for p in parts):
-        raise EdgespecError(f"bad n-gram drafter {text!r}: use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' "
-                            f"with whole numbers (e.g. ngram:4:2)")
-    try:
-        return NgramDrafter(*(int(p) for p in parts))
-    except ValueError as e:
-        raise EdgespecError(f"bad n-gram drafter {text!r}: {e}") from None
+_DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
+                                                "model": _draft_model}
 
 
-def _history(text: str, target: Backend) -> Drafter:
-    """A "history[:MAX_TOKENS][@CORPUS_FILE]" spec's HistoryDrafter, its corpus tokenized by the target."""
-    from edgespec.drafters.history import HistoryDrafter
+def open_target(*args: Any, **kwargs: Any) -> Backend:  # TEMPORARY during the #31 move: tests switch to session
+    from edgespec.session import open_target as opened
 
-    (head, at, corpus), docs = text.partition("@"), []
-    parts = head.split(":")[1:]
-    if len(parts) > 1 or not all(p.isdigit() for p in parts) or (at and not corpus):
-        raise EdgespecError(f"bad history drafter {text!r}: use 'history[:MAX_TOKENS][@CORPUS_FILE]' (e.g. history@notes.txt)")
-    if corpus:
-        path = Path(corpus).expanduser()
-        if not path.is_file():
-            raise EdgespecError(f"history corpus file {corpus} not found")
-        try:
-            docs = [target.tokenize(path.read_text(encoding="utf-8"), add_special=False)]
-        except (OSError, UnicodeDecodeError) as e:
-            raise EdgespecError(f"cannot read history corpus file {corpus}: {e}") from None
-    try:
-        return HistoryDrafter(*(int(p) for p in parts), corpus_tokens=docs)
-    except ValueError as e:
-        raise EdgespecError(f"bad history drafter {text!r}: {e}") from None
-
+    return opened(*args, **kwargs)

@@ -13,9 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgespec.engine import check_num_draft
 from edgespec.errors import EdgespecError
 from edgespec.sampling import InvalidSamplingError, SamplingParams
+from edgespec.scheduler import check_num_draft
 from edgespec.stats import Stats
 
 MAX_BODY = 1 << 20  # bytes; a larger body is refused with 413

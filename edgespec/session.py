@@ -1,0 +1,166 @@
+"""Assembling engines: the one place that does it, in three phases.
+
+1. plan (`plan`): file work only. Each spec is read once and each name resolved once; a published
+   head checkpoint is converted (cached), headers are read and checked against each other. The
+   result is a frozen Plan of resolved paths and drafter plans.
+2. open (`Session`): the target and each drafter, through drafters.registry's tables; one Engine
+   over them (a bench swaps its drafter between configs).
+3. price (`Session.price`): the target's cost profile and each drafter's prior (edgespec.pricing),
+   from which the scheduler's cost model is built: only for num_draft "auto" with a drafter.
+
+edgespec.load, `edgespec generate/chat/serve/bench/profile` come through here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from edgespec.backends.base import Backend
+from edgespec.drafters.base import Drafter
+from edgespec.drafters.heads import HeadImpl
+from edgespec.drafters.registry import DrafterPlan, check_backend, open_backend, open_drafter, plan_drafter
+from edgespec.engine import Engine
+from edgespec.scheduler import check_num_draft
+
+Spec = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How backends open (both the target and a draft model)."""
+
+    n_ctx: int = 4096
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to open: resolved files and drafter plans, checked against each other."""
+
+    target: Path  # the GGUF file (on "mlx" also an mlx-lm directory)
+    backend: str
+    drafters: tuple[DrafterPlan, ...]  # none: plain decoding
+    options: Options = Options()
+    num_draft: int | str = "auto"
+
+    @property
+    def layers(self) -> tuple[int, ...] | None:
+        """The target layers the first feature head reads (None: no head, a plain target)."""
+        return next((d.head.layers for d in self.drafters if d.head is not None), None)
+
+
+def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,
+         num_draft: int | str = "auto", **options: Any) -> Plan:
+    """Phase 1: resolve and check every file named, open nothing.
+
+    Args:
+        target: GGUF path or known model name (on "mlx" also an mlx-lm directory); None: the default.
+        drafters: a drafter spec or several (bench); None / "none" for none (drafters.registry).
+        backend: "llama.cpp" or "mlx".
+        num_draft: γ, or "auto".
+        **options: Options' fields (n_ctx, threads, n_gpu_layers, verbose).
+    """
+    from edgespec.models import DEFAULT_TARGET, resolve_model
+
+    check_backend(backend)
+    gamma = check_num_draft(num_draft)
+    path = resolve_model(str(target or DEFAULT_TARGET))
+    specs = [drafters] if drafters is None or isinstance(drafters, (str, os.PathLike)) else list(drafters)
+    planned = tuple(p for p in (plan_drafter(s, path) for s in specs) if p is not None)
+    return Plan(path, backend, planned, Options(**options), gamma)
+
+
+class Session:
+    """Phase 2: a Plan opened. `engine` runs the first drafter; `use` switches to another.
+
+    Args:
+        plan: from `plan`.
+        impl: where a feature head runs (drafters.heads.open_head).
+    """
+
+    def __init__(self, plan: Plan, *, impl: HeadImpl = "auto") -> None:
+        self.plan = plan
+        self._plain: Engine | None = None
+        opts = asdict(plan.options)
+        target = open_backend(plan.target, plan.backend, plan.layers, **opts)
+        self.drafters: dict[str, Drafter | None] = {}
+        try:
+            for d in plan.drafters:
+                self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
+        except BaseException:
+            _close([*self.drafters.values(), target])
+            raise
+        first = next(iter(self.drafters.values()), None)
+        self.engine = Engine(target, first, num_draft=plan.num_draft)
+
+    def use(self, spec: str | None) -> Engine:
+        """The engine, drafting with the drafter planned as `spec` (None: none)."""
+        self.engine.drafter = None if spec is None else self.drafters[spec]
+        return self.engine
+
+    def price(self, note: Callable[[str], None] | None = None) -> None:
+        """Phase 3: load (or time, and cache per model) what the target and each drafter cost, which
+        the scheduler starts from; `note` hears of any timing. The first auto generation would do it."""
+        current = self.engine.drafter
+        for d in self.drafters.values():
+            if d is not None:
+                self.engine.drafter = d
+                self.engine.calibrate(note=note)
+        self.engine.drafter = current
+
+    def plain_engine(self) -> Engine:
+        """An engine for plain decoding on the same file: the session's own, unless its target
+        captures features for a head (a plain baseline must not pay for that)."""
+        if self.plan.layers is None:
+            return self.engine
+        if self._plain is None:
+            self._plain = Engine(open_backend(self.plan.target, self.plan.backend, **asdict(self.plan.options)))
+        return self._plain
+
+    def close(self) -> None:
+        """Close every drafter, the target and the plain engine's target (if one was opened)."""
+        self.engine.drafter = None
+        _close([*self.drafters.values(), self.engine, self._plain])
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close(things: Sequence[Drafter | Backend | Engine | None]) -> None:
+    for t in things:
+        if t is not None:
+            t.close()
+
+
+def open_target(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp",
+                **options: Any) -> Backend:
+    """The target `drafters` need, by name: plain, or capturing the layers the first head reads."""
+    p = plan(target, drafters, backend, **{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
+    return open_backend(p.target, backend, p.layers, **options)
+
+
+def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend: str = "llama.cpp",
+         num_draft: int | str = "auto", note: Callable[[str], None] | None = None, price: bool = False,
+         **options: Any) -> Engine:
+    """plan → open → (price): one Engine that owns its target and drafter (close it when done).
+
+    `price` prices at once when num_draft is "auto" and there is a drafter (`note` hears of timing);
+    else the first auto generation does. Other arguments: as for `plan`.
+    """
+    session = Session(plan(target, drafter, backend, num_draft=num_draft, **options))
+    try:
+        if price and session.engine.num_draft == "auto":
+            session.price(note)
+    except BaseException:
+        session.close()
+        raise
+    return session.engine
