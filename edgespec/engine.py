@@ -56,8 +56,8 @@ class Engine:
                  pricing: Pricing | None = None) -> None:
         self.target = target
         self.drafter = drafter  # may be swapped between generations (bench): schedulers are per drafter
-        self.num_draft = check_num_draft(num_draft)
         self.pricing = pricing or Pricing(target)
+        self.num_draft = check_num_draft(num_draft)
         self.last_stats: Stats | None = None
         self._kv: list[int] = []
         self._cancel = threading.Event()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,14 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
     check_backend(backend)
     gamma = check_num_draft(num_draft)
     path = resolve_model(str(target or DEFAULT_TARGET))
-    specs = [drafters] if drafters is None or isinstance(drafters, (str, os.PathLike)) else list(drafters)
-    planned = tuple(p for p in (plan_drafter(s, path) for s in specs) if p is not None)
-    return Plan(path, backend, planned, Options(**options), gamma)
+    if drafters is None or isinstance(drafters, (str, os.PathLike)):
+        drafters = [drafters]
+    planned = []
+    for spec in drafters:
+        drafter = plan_drafter(spec, path)
+        if drafter is not None:  # "none"
+            planned.append(drafter)
+    return Plan(path, backend, tuple(planned), Options(**options), gamma)
 
 
 class Session:
@@ -87,17 +93,16 @@ class Session:
     def __init__(self, plan: Plan, *, impl: HeadImpl = "auto") -> None:
         self.plan = plan
         self._plain: Engine | None = None
+        self.drafters: dict[str, Drafter] = {}
         opts = asdict(plan.options)
-        target = open_backend(plan.target, plan.backend, plan.layers, **opts)
-        self.drafters: dict[str, Drafter | None] = {}
-        try:
+        with ExitStack() as opened:  # a failure closes what was opened before it
+            target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, **opts))
             for d in plan.drafters:
-                self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
-        except BaseException:
-            _close([*self.drafters.values(), target])
-            raise
-        first = next(iter(self.drafters.values()), None)
-        self.engine = Engine(target, first, num_draft=plan.num_draft)
+                drafter = self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
+                opened.callback(drafter.close)
+            first = next(iter(self.drafters.values()), None)
+            self.engine = Engine(target, first, num_draft=plan.num_draft)
+            opened.pop_all()
 
     def use(self, spec: str | None) -> Engine:
         """The engine, drafting with the drafter planned as `spec` (None: none)."""
@@ -126,19 +131,17 @@ class Session:
     def close(self) -> None:
         """Close every drafter, the target and the plain engine's target (if one was opened)."""
         self.engine.drafter = None
-        _close([*self.drafters.values(), self.engine, self._plain])
+        for d in self.drafters.values():
+            d.close()
+        self.engine.close()
+        if self._plain is not None:
+            self._plain.close()
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _close(things: Sequence[Drafter | Backend | Engine | None]) -> None:
-    for t in things:
-        if t is not None:
-            t.close()
 
 
 def open_target(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp",
@@ -156,7 +159,8 @@ def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend:
     `price` prices at once when num_draft is "auto" and there is a drafter (`note` hears of timing);
     else the first auto generation does. Other arguments: as for `plan`.
     """
-    session = Session(plan(target, drafter, backend, num_draft=num_draft, **options))
+    planned = plan(target, drafter, backend, num_draft=num_draft, **options)
+    session = Session(planned)
     try:
         if price and session.engine.num_draft == "auto":
             session.price(note)

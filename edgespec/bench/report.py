@@ -10,7 +10,7 @@ from edgespec.bench.run import is_fixed_gamma
 
 
 def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict]) -> None:
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, separators=(",", ":")))
 
 
 def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> str:

@@ -44,8 +44,9 @@ def convert(
             raise EdgespecError("convert --head HEAD_DIR needs --target TARGET and --out FILE.gguf "
                                 "(and no MODEL/OUT_DIR arguments)")
         from edgespec.heads.convert import convert_head
+        from edgespec.models import resolve_model
 
-        convert_head(head, target, out, outtype=outtype, note=ui.status)
+        convert_head(head, resolve_model(target), out, outtype=outtype, note=ui.status)
         return
     if model is None or out_dir is None:
         raise EdgespecError("convert needs MODEL OUT_DIR (--to mlx) or --head HEAD_DIR --target TARGET --out FILE")

@@ -63,7 +63,8 @@ def convert_head(head_dir: str | os.PathLike, target: str | os.PathLike, out: st
 
     Args:
         head_dir: the checkpoint directory (config.json + safetensors).
-        target: the target GGUF or known model name; its header is checked and its vocabulary copied.
+        target: the target GGUF (a path: names are resolved by the caller); its header is checked and its
+            vocabulary copied.
         out: the GGUF to write (replaced atomically).
         outtype: "f16" (default), "q8_0" or "f32" for the matrices (norms stay F32; a DFlash fc F32).
         note: called with progress lines.
@@ -74,8 +75,6 @@ def convert_head(head_dir: str | os.PathLike, target: str | os.PathLike, out: st
     Raises:
         CheckpointError: one line naming what does not fit (see the per-layout converters).
     """
-    from edgespec.models import resolve_model
-
     say = note or (lambda _line: None)
     if outtype not in OUTTYPES:
         raise CheckpointError(f"--outtype must be one of {', '.join(OUTTYPES)} (got {outtype!r})")
@@ -84,7 +83,7 @@ def convert_head(head_dir: str | os.PathLike, target: str | os.PathLike, out: st
     if kind is None:
         raise CheckpointError(f"{ckpt.path}: unknown head layout (architectures {ckpt.config.get('architectures')}); "
                               f"edgespec converts {KNOWN}")
-    tgt = read_target(resolve_model(str(target)))
+    tgt = read_target(Path(target).expanduser())
     arch, layout = kind
     extra = {"edgespec.head.source": str(ckpt.path), "edgespec.head.layout": layout,
              "edgespec.head.converter_version": str(CONVERTER_VERSION)}
@@ -120,10 +119,10 @@ def cached_head(head_dir: str | os.PathLike, target: str | os.PathLike, *, outty
                 note: Note | None = None) -> Path:
     """The head GGUF of a checkpoint directory for ``target`` under $EDGESPEC_HOME/heads, converting
     it the first time (announced through ``note``)."""
-    from edgespec.models import edgespec_home, model_key, resolve_model
+    from edgespec.models import edgespec_home, model_key
 
     ckpt = read_checkpoint(head_dir)
-    tgt = resolve_model(str(target))
+    tgt = Path(target).expanduser()
     home = edgespec_home() / "heads"
     h = hashlib.sha256(f"v{CONVERTER_VERSION}:{outtype}:{model_key(tgt)}".encode())
     for f in ckpt.files:
