@@ -15,36 +15,47 @@ from edgespec.errors import EdgespecError
 SUITES = ("shipped", "spec-bench")
 
 
+# the options whose help needs more than a line
+_Target = Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name (with --backend mlx "
+                                      "also an mlx-lm directory).")]
+_Drafters = Annotated[list[str] | None, typer.Option(
+    "--drafter", help="Drafter config (repeatable): 'ngram' (or 'ngram:N_MAX:N_MIN', the n-gram sizes), 'history', a "
+                      "same-vocabulary GGUF path/name, or an EAGLE-3 / DFlash / DSpark head GGUF.")]
+_Gammas = Annotated[list[str] | None, typer.Option(
+    "-k", "--num-draft", help="γ values (repeatable): integers >= 1, 'auto' for the scheduler, or 0: plain decoding "
+                              "paired with plain decoding (an A/A control: its ratio spread is the machine's noise; "
+                              "with a head, the cost of capturing features) (default: 4 and auto).")]
+_Temps = Annotated[list[float] | None, typer.Option(
+    "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")]
+_Tasks = Annotated[str | None, typer.Option("--tasks", help="Your own tasks: a .jsonl file or folder, instead of a "
+                                            "--suite.")]
+_Suite = Annotated[str | None, typer.Option(
+    "--suite", help="A built-in task suite: 'shipped' (edgespec/bench/suite, the default) or 'spec-bench' "
+                    "(Spec-Bench's 480 prompts: multi_turn, translation, summarization, qa, math_reasoning, rag). "
+                    "Not with --tasks.")]
+_PerCategory = Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category (spec-bench: spread "
+                                           "evenly over each category's 80).")]
+_Out = Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")]
+_Strict = Annotated[bool, typer.Option("--strict/--no-strict", help="Exit 1 if a greedy speculative run differs "
+                                       "from plain decoding.")]
+
+
 def bench(
-    target: Annotated[str, typer.Option("--target", help="Target: GGUF path or known model name (with "
-                                        "--backend mlx also an mlx-lm directory).")] = "smollm2",
-    drafter: Annotated[list[str] | None, typer.Option(
-        "--drafter", help="Drafter config (repeatable): 'ngram' (or 'ngram:N_MAX:N_MIN', the n-gram sizes), a "
-                                "same-vocabulary GGUF path/name, or an "
-                                "EAGLE-3 / DFlash / DSpark head GGUF.")] = None,
-    k: Annotated[list[str] | None, typer.Option(
-        "-k", "--num-draft", help="γ values (repeatable): integers >= 1, 'auto' for the scheduler, or 0: "
-                                  "plain decoding paired with plain decoding (an A/A control: its ratio spread is "
-                                  "the machine's noise; with a head, the cost of capturing features) (default: 4 and auto).")] = None,
-    temp: Annotated[list[float] | None, typer.Option(
-        "--temp", min=0.0, help="Temperatures (repeatable; 0 = greedy, which also checks spec == plain).")] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="Your own tasks: a .jsonl file or folder, instead of "
-                                              "a --suite.")] = None,
-    suite: Annotated[str | None, typer.Option(
-        "--suite", help="A built-in task suite: 'shipped' (edgespec/bench/suite, the default) or 'spec-bench' "
-                        "(Spec-Bench's 480 prompts: multi_turn, translation, summarization, qa, math_reasoning, "
-                        "rag). Not with --tasks.")] = None,
+    target: _Target = "smollm2",
+    drafter: _Drafters = None,
+    k: _Gammas = None,
+    temp: _Temps = None,
+    tasks: _Tasks = None,
+    suite: _Suite = None,
     category: Annotated[list[str] | None, typer.Option("--category", help="Only these categories (repeatable).")] = None,
-    per_category: Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category (spec-bench: "
-                                              "spread evenly over each category's 80).")] = 3,
+    per_category: _PerCategory = 3,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap each task's tokens.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Plain/spec pairs per task and config.")] = 1,
     backend: Annotated[str, typer.Option("--backend", help="Runtime: 'llama.cpp' or 'mlx'.")] = "llama.cpp",
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: up to 8).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", min=64, help="Context size in tokens.")] = 2048,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")] = Path("out/bench"),
-    strict: Annotated[bool, typer.Option(
-        "--strict/--no-strict", help="Exit 1 if a greedy speculative run differs from plain decoding.")] = True,
+    out: _Out = Path("out/bench"),
+    strict: _Strict = True,
 ) -> None:
     """Benchmark plain vs speculative decoding on the task suite.
 
@@ -55,11 +66,6 @@ def bench(
     greedy mismatches, and efficiency vs the ideal speedup from
     `edgespec profile`.
     """
-    if suite is not None and suite not in SUITES:
-        raise EdgespecError(f"--suite is {suite!r}: expected one of {', '.join(SUITES)}")
-    if suite is not None and tasks is not None:
-        raise EdgespecError("--suite and --tasks are mutually exclusive: --tasks runs your own task file(s), "
-                            "--suite a built-in suite")
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench.run import Config
     from edgespec.scheduler import check_num_draft
@@ -93,6 +99,12 @@ def _select(suite: str | None, tasks: str | None, category: list[str] | None, pe
             max_tokens: int | None) -> list:
     """The tasks to run: per category at most `per_category`, each capped at `max_tokens`."""
     import dataclasses
+
+    if suite is not None and suite not in SUITES:
+        raise EdgespecError(f"--suite is {suite!r}: expected one of {', '.join(SUITES)}")
+    if suite is not None and tasks is not None:
+        raise EdgespecError("--suite and --tasks are mutually exclusive: --tasks runs your own task file(s), "
+                            "--suite a built-in suite")
 
     if suite == "spec-bench":
         from edgespec.bench.spec_bench import load_spec_bench
