@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gguf_fixtures import build_tiny_llama
@@ -18,40 +20,22 @@ def _fetched(name: str) -> Path:
         pytest.fail(f"{err} (this test needs the real models)", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 (fetched)."""
-    return _fetched("smollm2")
+def _model(fixture: str, name: str, doc: str) -> Any:
+    """A session fixture `fixture`: the path of the fetched model `name`."""
+    def path() -> Path:
+        return _fetched(name)
+    path.__doc__ = doc
+    return pytest.fixture(scope="session", name=fixture)(path)
 
 
-@pytest.fixture(scope="session")
-def gemma_q4_path() -> Path:
-    """Gemma-3-270M base, Q4_K_M release (fetched)."""
-    return _fetched("gemma3")
-
-
-@pytest.fixture(scope="session")
-def gemma_q8_path() -> Path:
-    """Gemma-3-270M Q8_0 derived from the Q4_K_M release."""
-    return _fetched("gemma3-q8_0")
-
-
-@pytest.fixture(scope="session")
-def gemma_f16_path() -> Path:
-    """Gemma-3-270M F16 derived from the Q4_K_M release."""
-    return _fetched("gemma3-f16")
-
-
-@pytest.fixture(scope="session")
-def smollm2_f32_path() -> Path:
-    """SmolLM2-135M-Instruct F32 derived from the Q4_1 release (a bandwidth-bound target here)."""
-    return _fetched("smollm2-f32")
-
-
-@pytest.fixture(scope="session")
-def gemma_f32_path() -> Path:
-    """Gemma-3-270M F32 derived from the Q4_K_M release (a bandwidth-bound target here)."""
-    return _fetched("gemma3-f32")
+smollm2_path = _model("smollm2_path", "smollm2", "SmolLM2-135M-Instruct Q4_1 (fetched).")
+gemma_q4_path = _model("gemma_q4_path", "gemma3", "Gemma-3-270M base, Q4_K_M release (fetched).")
+gemma_q8_path = _model("gemma_q8_path", "gemma3-q8_0", "Gemma-3-270M Q8_0 derived from the Q4_K_M release.")
+gemma_f16_path = _model("gemma_f16_path", "gemma3-f16", "Gemma-3-270M F16 derived from the Q4_K_M release.")
+smollm2_f32_path = _model("smollm2_f32_path", "smollm2-f32", "SmolLM2-135M-Instruct F32 derived from the Q4_1 "
+                          "release (a bandwidth-bound target here).")
+gemma_f32_path = _model("gemma_f32_path", "gemma3-f32", "Gemma-3-270M F32 derived from the Q4_K_M release (a "
+                        "bandwidth-bound target here).")
 
 
 @pytest.fixture(scope="session")
@@ -70,22 +54,51 @@ def smollm2_plain_counts(smollm2_path: Path):
     return counts
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """2-layer random llama with SmolLM2's tokenizer (seed 0)."""
-    out = tmp_path_factory.mktemp("tiny") / "tiny_target.gguf"
-    return build_tiny_llama(out, vocab_source=smollm2_path, seed=0)
+def _tiny(fixture: str, doc: str, **build: Any) -> Any:
+    """A session fixture `fixture`: a tiny random llama with SmolLM2's tokenizer (gguf_fixtures.build_tiny_llama)."""
+    def path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+        return build_tiny_llama(tmp_path_factory.mktemp("tiny") / f"{fixture}.gguf", vocab_source=smollm2_path, **build)
+    path.__doc__ = doc
+    return pytest.fixture(scope="session", name=fixture)(path)
+
+
+tiny_target = _tiny("tiny_target", "2-layer random llama with SmolLM2's tokenizer (seed 0).", seed=0)
+tiny_drafter = _tiny("tiny_drafter", "tiny_target + 0.1 × noise (shared token_embd): greedy agreement ≈ 0.64, "
+                     "sum(min(p, q)) ≈ 0.74.", seed=1, base_seed=0, perturb=0.1)
+tiny_unrelated = _tiny("tiny_unrelated", "Same architecture and vocabulary as tiny_target, independent weights "
+                       "(seed 1).", seed=1)
+tiny8 = _tiny("tiny8", "8-layer random llama (n_embd 64), F32 weights: EAGLE-3's default layers are (2, 4, 5).",
+              n_layer=8, seed=0)
 
 
 @pytest.fixture(scope="session")
-def tiny_drafter(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """tiny_target + 0.1 × noise (shared token_embd): greedy agreement ≈ 0.64, sum(min(p, q)) ≈ 0.74."""
-    out = tmp_path_factory.mktemp("tiny") / "tiny_drafter.gguf"
-    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1, base_seed=0, perturb=0.1)
+def tiny_head(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Callable[[str], tuple[Path, Path]]:
+    """name → (a tiny target, a head GGUF for it), each built once a session (head_cases.build_tiny_head:
+    "eagle3", "dflash", "dspark", "dspark-q8_0")."""
+    from head_cases import build_tiny_head
+
+    d, built = tmp_path_factory.mktemp("heads"), {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in built:
+            built[name] = build_tiny_head(name, d, smollm2_path)
+        return built[name]
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_unrelated(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """Same architecture and vocabulary as tiny_target, independent weights (seed 1)."""
-    out = tmp_path_factory.mktemp("tiny") / "tiny_unrelated.gguf"
-    return build_tiny_llama(out, vocab_source=smollm2_path, seed=1)
+def vocab100(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GGUF holding only a 100-token tokenizer (what a head copies from its target), mask id 7."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(100)])
+    w.add_bos_token_id(1)
+    w.add_mask_token_id(7)  # a DFlash head's own mask id must win
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from head_oracles import close_rel
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
@@ -15,7 +16,6 @@ from edgespec.heads.eagle3 import Eagle3Config, Eagle3Head, random_tensors  # no
 from edgespec.heads.eagle3_mlx import MlxEagle3Head  # noqa: E402
 
 V, VD, H, HT = 100, 40, 32, 24
-RTOL = 1e-4  # max |MLX − numpy| over the reference's range (float32 vs the reference's float64)
 
 
 def _pair(seed: int = 0, rope_freqs: tuple[float, ...] | None = None, **kw) -> tuple[Eagle3Head, MlxEagle3Head]:
@@ -43,15 +43,6 @@ def _inputs(n: int, seed: int = 0):
     return rng.integers(0, V, n).tolist(), 2 * rng.standard_normal((n, 3 * HT), dtype=np.float32)
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> float:
-    """Relative max difference on the finite entries; the −inf pattern must be identical."""
-    fin = np.isfinite(want)
-    assert got.shape == want.shape and np.array_equal(np.isfinite(got), fin)
-    diff = float(np.abs(got[fin] - want[fin]).max() / (want[fin].max() - want[fin].min()))
-    assert diff <= RTOL, diff
-    return diff
-
-
 @pytest.mark.parametrize("kw", [{}, {"norm_before_fc": True}, {"norm_before_residual": True},
                                 {"n_head_kv": 4, "n_rot": 4}, {"n_draft_vocab": V, "rope_base": 500.0},
                                 {"rope_base": 500000.0, "rope_freqs": (1.0, 2.5, 8.0, 8.0)}],
@@ -61,11 +52,11 @@ def test_mlx_head_equals_numpy(kw):
     ref, head = _pair(**kw)
     tokens, feats = _inputs(9)
     g_ref, g = ref.encode(feats), head.encode(feats)
-    _close(g, g_ref)
+    close_rel(g, g_ref)
     want, want_h = ref.decode(tokens, g_ref)
     got, got_h = head.decode(tokens, g)
-    diff = _close(got, want)
-    _close(got_h, want_h)
+    diff = close_rel(got, want)
+    close_rel(got_h, want_h)
     assert head.n_past == ref.n_past == 9 and got.dtype == got_h.dtype == np.float32
     print(f"{kw}: MLX vs numpy logits {diff:.1e} of the range")
 
@@ -78,12 +69,12 @@ def test_two_calls_equal_one_and_rows_last():
     want, want_h = ref.decode(tokens, g)
     first, _ = head.decode(tokens[:5], g[:5])
     last, last_h = head.decode(tokens[5:], g[5:], rows="last")
-    _close(first, want[:5])
-    _close(last, want[-1:])
-    _close(last_h, want_h[-1:])
+    close_rel(first, want[:5])
+    close_rel(last, want[-1:])
+    close_rel(last_h, want_h[-1:])
     step_ref, _ = ref.decode([int(np.argmax(want[-1]))], want_h[-1:])
     step, _ = head.decode([int(np.argmax(last[0]))], last_h)
-    _close(step, step_ref)
+    close_rel(step, step_ref)
 
 
 def test_truncate_then_redo_equals_a_fresh_run():
@@ -99,9 +90,9 @@ def test_truncate_then_redo_equals_a_fresh_run():
     got, _ = head.decode(other, g_other)
     ref.decode(tokens[:5], g[:5])
     want, _ = ref.decode(other, g_other)
-    _close(got, want)
+    close_rel(got, want)
     head.truncate(0)
-    _close(head.decode(tokens[:2], g[:2])[0], _pair(seed=2)[0].decode(tokens[:2], g[:2])[0])
+    close_rel(head.decode(tokens[:2], g[:2])[0], _pair(seed=2)[0].decode(tokens[:2], g[:2])[0])
 
 
 def test_mx_token_embeddings_and_bad_inputs():
@@ -111,7 +102,7 @@ def test_mx_token_embeddings_and_bad_inputs():
     other = MlxEagle3Head(cfg, t, tok_embd=mx.array(ref.tok_embd))  # an MLX target's weight, no copy
     tokens, feats = _inputs(4)
     g = ref.encode(feats)
-    _close(other.decode(tokens, g)[0], ref.decode(tokens, g)[0])
+    close_rel(other.decode(tokens, g)[0], ref.decode(tokens, g)[0])
     with pytest.raises(ValueError, match="token embeddings"):
         MlxEagle3Head(cfg, t)
     with pytest.raises(ValueError, match="features must be"):
