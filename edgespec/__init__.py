@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 from edgespec.api import load
-from edgespec.engine import Chunk, Engine, Generation
+from edgespec.engine import Engine
 from edgespec.errors import EdgespecError
+from edgespec.generation import Chunk, Generation
 from edgespec.sampling import SamplingParams
 from edgespec.stats import Stats
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,6 +18,7 @@ from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile
 from edgespec.drafters.base import Draft, Drafter, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
+from edgespec.generation import Chunk, Generating, cut
 from edgespec.pricing import Pricing
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import K_MAX, Scheduler, check_num_draft
@@ -27,25 +27,7 @@ from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import accept_greedy, verify_stochastic
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece of a generation (one speculative cycle's worth of tokens)."""
-
-    text: str  # new text (may be "" while a UTF-8 character or a possible stop string is held back)
-    tokens: list[int]
-    from_draft: list[bool]  # per token: True if it was a draft token the target accepted
-    finish_reason: str | None = None  # set on the last chunk: "eos", "length", "stop", "cancelled"
-
-
-@dataclass
-class Generation:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    stats: Stats = field(default_factory=Stats)
-
-
-class Engine:
+class Engine(Generating):
     """A target backend plus an optional drafter, and what they cost (`pricing`: the scheduler's
     source). Use `load()` to build one from model files.
 
@@ -64,20 +46,6 @@ class Engine:
         self._busy = threading.Lock()
 
     # -- public API -------------------------------------------------------------------------------
-
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs) -> Generation:
-        """Generate a completion. Takes the same keyword arguments as `stream`.
-
-        Returns:
-            Generation with the text, token ids, finish_reason and stats.
-        """
-        text, tokens, reason = [], [], "length"
-        for chunk in self.stream(prompt, max_tokens=max_tokens, **kwargs):
-            text.append(chunk.text)
-            tokens.extend(chunk.tokens)
-            reason = chunk.finish_reason or reason
-        assert self.last_stats is not None
-        return Generation("".join(text), tokens, reason, self.last_stats)
 
     def stream(
         self,
@@ -134,27 +102,6 @@ class Engine:
             self._forget_evicted()  # the backend reset itself after an error
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             self._busy.release()
-
-    def stream_chat(self, messages: list[dict], **kwargs) -> Iterator[Chunk]:
-        """Stream a reply to a conversation, rendered with the model's chat template (sandboxed).
-
-        Args:
-            messages: [{"role": ..., "content": ...}, ...].
-            **kwargs: as for `stream` (max_tokens, temperature, ...).
-        """
-        text, add_bos = self.chat_prompt(messages)
-        yield from self.stream(text, parse_special=True, add_special=add_bos, **kwargs)
-
-    def chat(self, messages: list[dict], **kwargs) -> Generation:
-        """Like `generate`, for a conversation (see `stream_chat`)."""
-        text, add_bos = self.chat_prompt(messages)
-        return self.generate(text, parse_special=True, add_special=add_bos, **kwargs)
-
-    def chat_prompt(self, messages: list[dict]) -> tuple[str, bool]:
-        """The conversation as prompt text, and whether to add BOS (edgespec.chat.chat_prompt)."""
-        from edgespec.chat import chat_prompt
-
-        return chat_prompt(self.target, messages)
 
     def calibrate(self, note: Callable[[str], None] | None = None) -> None:
         """Load (or time, and cache per model) the cost profiles that num_draft="auto" starts from:
@@ -224,14 +171,7 @@ class Engine:
             g = max(0, min(K_MAX - 1 if sched else int(gamma), max_tokens - generated - 1, room))
             emitted, n_acc = self._cycle(pending, g, params, rng, stats, sched)
             t_post = time.perf_counter()
-            reason = None
-            for i, tok in enumerate(emitted):  # cut at end-of-generation or the token limit
-                if self.target.is_eog(tok):
-                    emitted, reason = emitted[:i], "eos"
-                    break
-                if generated + i + 1 >= max_tokens:
-                    emitted, reason = emitted[: i + 1], "length"
-                    break
+            emitted, reason = cut(emitted, generated, max_tokens, self.target.is_eog)
             generated += len(emitted)
             stats.n_tokens = generated
             pending = emitted[-1] if emitted else pending

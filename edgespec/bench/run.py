@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from edgespec.bench.profile import ideal_speedup_at
 from edgespec.bench.tasks import Task
 from edgespec.drafters.base import DraftCost
-from edgespec.engine import Engine, Generation
+from edgespec.engine import Engine
+from edgespec.generation import Generation
 from edgespec.stats import Stats
 
 
