@@ -9,11 +9,22 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 
+from edgespec.backends.llama_features import LlamaFeatureBackend
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.numpy_ops import attention, rms_norm, rope_norm, silu
 
 F32 = npt.NDArray[np.float32]
+
+
+class ExactAttention(LlamaFeatureBackend):
+    """Flash attention off: llama.cpp's CPU flash attention rounds Q·K to F16 (measured: 1.5e-3 on
+    the tiny models' layer-1 output); without it, F32 weights + F32 KV match numpy to ~1e-6."""
+
+    def _configure_context(self, cp):
+        super()._configure_context(cp)
+        cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
 @dataclass
@@ -75,3 +86,23 @@ def llama_forward(path: str | Path, tokens: Sequence[int]) -> tuple[list[F32], F
         x = w.layer(il, x, pos)
     inputs.append(x)
     return inputs, w.logits(x)
+
+
+def rollback_features(b, tokens: Sequence[int]) -> np.ndarray:
+    """On feature backend `b`: a prompt (tokens[:6]), a 4-token draft, keep 1 of it, append 2 others;
+    asserts rows past n_past are gone and the kept ones unchanged (3 layers of n_embd 64) and returns
+    the 9 rows, which should equal a fresh run of prompt + draft[:1] + [777, 4242]. Leaves `b` empty."""
+    prompt, draft, fix = tokens[:6], tokens[6:10], [777, 4242]
+    b.eval(prompt, rows="last")
+    before = b.features()
+    b.eval(draft, rows="all")
+    b.truncate(7)
+    assert b.features().shape == (7, 3 * 64)
+    with pytest.raises(IndexError):
+        b.features(0, 8)
+    np.testing.assert_array_equal(b.features(0, 6), before)
+    b.eval(fix, rows="all")
+    got = b.features()
+    b.truncate(0)
+    assert b.features().shape == (0, 3 * 64)
+    return got

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_subprocess import run_cli_without
 from typer.testing import CliRunner
 
 from edgespec.cli import app as cli
@@ -19,28 +20,11 @@ from edgespec.stats import Stats
 
 runner = CliRunner()
 
-# Runs the CLI in a fresh interpreter where `import llama_cpp` fails, as on a machine without the extra.
-_NO_LLAMA = """
-import importlib.abc, sys
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "llama_cpp" or name.startswith("llama_cpp."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, Blocker())
-sys.argv = ["edgespec", *sys.argv[1:]]
-from edgespec.cli.app import main
-try:
-    main()
-finally:
-    assert "llama_cpp" not in sys.modules
-"""
-
 STATS_LINE = re.compile(r"^\d+ tokens · \d+\.\d tok/s( · τ \d+\.\d\d · acceptance (\d+%|– \(nothing drafted\)))?$")
 
 
 def _run_without_llama(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", _NO_LLAMA, *args], capture_output=True, text=True, timeout=60)
+    return run_cli_without("llama_cpp", *args)
 
 
 def _lines(text: str) -> list[str]:

@@ -34,22 +34,6 @@ def _features(n: int, cfg: DFlashConfig, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, cfg.n_embd_enc)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def vocab_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GGUF holding only a 100-token tokenizer (what a head copies from its target)."""
-    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i}" for i in range(V)])
-    w.add_bos_token_id(1)
-    w.add_mask_token_id(7)  # the head's own mask id must win
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_shapes_and_config_refusals():
     cfg = _config()
     s = cfg.shapes()
@@ -177,10 +161,10 @@ def test_rope_neox_rotates_halves():
 
 
 @pytest.mark.parametrize("own_embd", [False, True])
-def test_f32_round_trip_is_exact_and_keys_are_llama_cpps(tmp_path: Path, vocab_source: Path, own_embd: bool):
+def test_f32_round_trip_is_exact_and_keys_are_llama_cpps(tmp_path: Path, vocab100: Path, own_embd: bool):
     cfg = _config(causal=own_embd, attention_scale=0.125 if own_embd else 0.0)
     t = random_tensors(cfg, seed=2, own_embd=own_embd)
-    path = write_dflash_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab_source, weight_type="f32")
+    path = write_dflash_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab100, weight_type="f32")
     cfg2, t2 = read_dflash_gguf(path)
     assert cfg2 == cfg and set(t2) == set(t)
     for k in t:
@@ -195,11 +179,11 @@ def test_f32_round_trip_is_exact_and_keys_are_llama_cpps(tmp_path: Path, vocab_s
     assert ("dflash.attention.scale" in f.kv) is own_embd and "dflash.embedding_scale" not in f.kv
 
 
-def test_f16_and_q8_0_round_trips(tmp_path: Path, vocab_source: Path):
+def test_f16_and_q8_0_round_trips(tmp_path: Path, vocab100: Path):
     cfg = _config()
     t = random_tensors(cfg, seed=3)
-    _, t16 = read_dflash_gguf(write_dflash_gguf(tmp_path / "16.gguf", cfg, t, vocab_source=vocab_source))
-    _, t8 = read_dflash_gguf(write_dflash_gguf(tmp_path / "8.gguf", cfg, t, vocab_source=vocab_source,
+    _, t16 = read_dflash_gguf(write_dflash_gguf(tmp_path / "16.gguf", cfg, t, vocab_source=vocab100))
+    _, t8 = read_dflash_gguf(write_dflash_gguf(tmp_path / "8.gguf", cfg, t, vocab_source=vocab100,
                                                weight_type="q8_0"))
     for k, v in t.items():
         exact = v.ndim == 1 or k == "fc.weight"  # norms, d2t and fc (F32_TENSORS) stay exact
@@ -215,23 +199,23 @@ def test_f16_and_q8_0_round_trips(tmp_path: Path, vocab_source: Path):
     np.testing.assert_allclose(b[:, :VD], a[:, :VD], atol=2e-2)  # the F16 head drafts like the F32 one
 
 
-def test_gguf_refusals(tmp_path: Path, vocab_source: Path, monkeypatch: pytest.MonkeyPatch):
+def test_gguf_refusals(tmp_path: Path, vocab100: Path, monkeypatch: pytest.MonkeyPatch):
     cfg = _config()
     t = random_tensors(cfg)
     with pytest.raises(ValueError, match="weight_type"):
-        write_dflash_gguf(tmp_path / "x.gguf", cfg, t, vocab_source=vocab_source, weight_type="q4_0")
+        write_dflash_gguf(tmp_path / "x.gguf", cfg, t, vocab_source=vocab100, weight_type="q4_0")
     with pytest.raises(ValueError, match="has 100 tokens"):
         write_dflash_gguf(tmp_path / "x.gguf", _config(n_vocab=200), random_tensors(_config(n_vocab=200)),
-                          vocab_source=vocab_source)
+                          vocab_source=vocab100)
     with pytest.raises(ValueError, match="not a DFlash head"):
-        read_dflash_gguf(vocab_source)
-    sel = write_dflash_gguf(tmp_path / "sel.gguf", cfg, t, vocab_source=vocab_source,
+        read_dflash_gguf(vocab100)
+    sel = write_dflash_gguf(tmp_path / "sel.gguf", cfg, t, vocab_source=vocab100,
                             extra_kv={"dflash.selector_rank": "8"})
     with pytest.raises(ValueError, match="dflash.selector_rank"):
         read_dflash_gguf(sel)
     monkeypatch.setattr(DFlashConfig, "check_tensors", lambda self, tensors: None)
     sinks = write_dflash_gguf(tmp_path / "sinks.gguf", cfg, t | {"blk.0.attn_sinks.weight": np.ones(4, np.float32)},
-                              vocab_source=vocab_source)
+                              vocab_source=vocab100)
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"unsupported DFlash tensors.*blk\.0\.attn_sinks\.weight"):
         read_dflash_gguf(sinks)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_fixtures import build_tiny_llama
-from llama_numpy import LlamaWeights, llama_forward
+from llama_numpy import ExactAttention, LlamaWeights, llama_forward, rollback_features
 
 from edgespec.backends.capture_c import compiled_callback, find_compiler
 from edgespec.backends.llama_features import EXT_SYMBOLS, LlamaFeatureBackend, eagle3_layer_ids, ext_api
@@ -17,22 +16,6 @@ from edgespec.errors import BackendError
 pytestmark = pytest.mark.real
 
 TOKENS = [1, 504, 2113, 6356, 17, 314, 2595, 4110, 282, 253, 9, 3000]
-
-
-class _ExactAttention(LlamaFeatureBackend):
-    """Flash attention off: llama.cpp's CPU flash attention rounds Q·K to F16 (measured: 1.5e-3 on
-    this tiny model's layer-1 output); without it, F32 weights + F32 KV match numpy to ~1e-6."""
-
-    def _configure_context(self, cp):
-        super()._configure_context(cp)
-        cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-
-
-@pytest.fixture(scope="module")
-def tiny8(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """8-layer random llama (n_embd 64), F32 weights: EAGLE-3's default layers are (2, 4, 5)."""
-    return build_tiny_llama(tmp_path_factory.mktemp("e3") / "tiny8.gguf", vocab_source=smollm2_path,
-                            n_layer=8, seed=0)
 
 
 def test_mangled_symbols_are_exported():
@@ -50,7 +33,7 @@ def test_eagle3_default_layers():
 @pytest.mark.parametrize("method", ["ext", "cb_eval"])
 def test_features_equal_numpy_forward(tiny8: Path, method: str):
     inputs, logits = llama_forward(tiny8, TOKENS)
-    with _ExactAttention(tiny8, method=method, kv_type="f32", n_ctx=64, threads=1) as b:
+    with ExactAttention(tiny8, method=method, kv_type="f32", n_ctx=64, threads=1) as b:
         assert b.feature_method == method and b.feature_layers == (2, 4, 5)
         got_logits = b.eval(TOKENS, rows="all")
         feats = b.features()
@@ -118,23 +101,11 @@ def test_rows_follow_positions_after_rollback(tiny8: Path, method: str):
     """Draft 4, keep 1, append 2 others: rows equal a fresh run of the kept sequence, and rows past
     n_past are gone. (The fresh run evaluates the kept draft token alone, not in a 4-token batch;
     F32 matmuls differ by ~1e-6 between those batch shapes, a wrong row would differ by ~1.)"""
-    prompt, draft, fix = TOKENS[:6], TOKENS[6:10], [777, 4242]
     with LlamaFeatureBackend(tiny8, method=method, n_ctx=64, threads=1) as b:
-        b.eval(prompt, rows="last")
-        before = b.features()
-        b.eval(draft, rows="all")
-        b.truncate(7)
-        assert b.features().shape[0] == 7
-        with pytest.raises(IndexError):
-            b.features(0, 8)
-        np.testing.assert_array_equal(b.features(0, 6), before)
-        b.eval(fix, rows="all")
-        got = b.features()
-        b.truncate(0)
-        assert b.features().shape == (0, 3 * 64)
-        b.eval(prompt, rows="last")
-        b.eval(draft[:1], rows="all")
-        b.eval(fix, rows="all")
+        got = rollback_features(b, TOKENS)
+        b.eval(TOKENS[:6], rows="last")
+        b.eval(TOKENS[6:7], rows="all")  # the kept draft token
+        b.eval([777, 4242], rows="all")
         np.testing.assert_allclose(got, b.features(), rtol=0, atol=1e-4)  # measured 1.2e-6
 
 

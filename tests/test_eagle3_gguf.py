@@ -20,21 +20,6 @@ LLAMA_CPP_NAMES = {"d2t", "fc.weight", "output_norm.weight", "output.weight"} | 
                                   "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
 
 
-@pytest.fixture(scope="module")
-def vocab_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GGUF holding only a 100-token tokenizer (what a head copies from its target)."""
-    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i}" for i in range(V)])
-    w.add_bos_token_id(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def _config(**kw) -> Eagle3Config:
     return Eagle3Config(**(dict(n_embd=H, n_head=4, n_head_kv=2, n_ff=96, n_embd_tgt=64,
                                 target_layers=(2, 9, 15), n_vocab=V, n_draft_vocab=VD, rms_eps=1e-6,
@@ -49,9 +34,9 @@ def _tensors(cfg: Eagle3Config) -> dict[str, np.ndarray]:
     return t
 
 
-def test_f16_round_trip_is_exact(tmp_path: Path, vocab_source: Path):
+def test_f16_round_trip_is_exact(tmp_path: Path, vocab100: Path):
     cfg, t = _config(), _tensors(_config())
-    cfg2, t2 = read_eagle3_gguf(write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab_source))
+    cfg2, t2 = read_eagle3_gguf(write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab100))
     assert cfg2 == cfg
     assert set(t2) == set(t)
     for name, arr in t.items():
@@ -60,9 +45,9 @@ def test_f16_round_trip_is_exact(tmp_path: Path, vocab_source: Path):
         np.testing.assert_array_equal(t2[name], want, err_msg=name)
 
 
-def test_q8_0_round_trip_within_quantization_error(tmp_path: Path, vocab_source: Path):
+def test_q8_0_round_trip_within_quantization_error(tmp_path: Path, vocab100: Path):
     cfg, t = _config(), _tensors(_config())
-    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab_source, weight_type="q8_0")
+    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab100, weight_type="q8_0")
     _, t2 = read_eagle3_gguf(path)
     types = {n: q for n, (q, _s, _r) in read_gguf(path).tensors.items()}
     for name, arr in t.items():
@@ -77,17 +62,17 @@ def test_q8_0_round_trip_within_quantization_error(tmp_path: Path, vocab_source:
         assert err.max() > 0
 
 
-def test_q8_0_rows_that_do_not_block_fall_back_to_f16(tmp_path: Path, vocab_source: Path):
+def test_q8_0_rows_that_do_not_block_fall_back_to_f16(tmp_path: Path, vocab100: Path):
     cfg = _config(n_ff=40)  # ffn_down rows have 40 values: not a multiple of 32
-    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, _tensors(cfg), vocab_source=vocab_source, weight_type="q8_0")
+    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, _tensors(cfg), vocab_source=vocab100, weight_type="q8_0")
     types = {n: q for n, (q, _s, _r) in read_gguf(path).tensors.items()}
     assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.F16
     assert types["blk.0.ffn_up.weight"] == gguf.GGMLQuantizationType.Q8_0
 
 
-def test_keys_and_names_are_llama_cpps(tmp_path: Path, vocab_source: Path):
+def test_keys_and_names_are_llama_cpps(tmp_path: Path, vocab100: Path):
     cfg = _config()
-    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, _tensors(cfg), vocab_source=vocab_source,
+    path = write_eagle3_gguf(tmp_path / "h.gguf", cfg, _tensors(cfg), vocab_source=vocab100,
                              extra_kv={"edgespec.head.seed": "3"})
     f = read_gguf(path)
     assert f.value("general.architecture") == "eagle3"
@@ -109,18 +94,18 @@ def test_keys_and_names_are_llama_cpps(tmp_path: Path, vocab_source: Path):
     assert f.tensors["blk.0.attn_q.weight"][1] == (H, 2 * H)  # ne = {2H, n_head·head_dim}
 
 
-def test_bad_heads_are_refused(tmp_path: Path, vocab_source: Path):
+def test_bad_heads_are_refused(tmp_path: Path, vocab100: Path):
     cfg = _config()
     t = _tensors(cfg)
     with pytest.raises(ValueError, match="lacks tensor output.weight"):
         write_eagle3_gguf(tmp_path / "h.gguf", cfg, {k: v for k, v in t.items() if k != "output.weight"},
-                          vocab_source=vocab_source)
+                          vocab_source=vocab100)
     with pytest.raises(ValueError, match="has 100 tokens"):
-        write_eagle3_gguf(tmp_path / "h.gguf", _config(n_vocab=120), t, vocab_source=vocab_source)
+        write_eagle3_gguf(tmp_path / "h.gguf", _config(n_vocab=120), t, vocab_source=vocab100)
     with pytest.raises(ValueError, match="weight_type"):
-        write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab_source, weight_type="q4_0")
+        write_eagle3_gguf(tmp_path / "h.gguf", cfg, t, vocab_source=vocab100, weight_type="q4_0")
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
-        read_eagle3_gguf(vocab_source)
+        read_eagle3_gguf(vocab100)
 
 
 @pytest.mark.real

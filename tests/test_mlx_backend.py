@@ -88,15 +88,30 @@ def test_block_repacking_matches_the_gguf_dequantizer(kind):
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
-def test_gguf_tensor_names():
-    assert mlx_name("blk.3.attn_q.weight", "llama") == "model.layers.3.self_attn.q_proj.weight"
-    assert mlx_name("blk.0.ffn_norm.weight", "llama") == "model.layers.0.post_attention_layernorm.weight"
-    assert mlx_name("blk.0.ffn_norm.weight", "gemma3") == "model.layers.0.pre_feedforward_layernorm.weight"
-    assert mlx_name("blk.2.post_ffw_norm.weight", "gemma3") == "model.layers.2.post_feedforward_layernorm.weight"
-    assert mlx_name("token_embd.weight", "gemma3") == "model.embed_tokens.weight"
-    assert mlx_name("output.weight", "llama") == "lm_head.weight"
-    with pytest.raises(ModelLoadError, match="unknown llama tensor 'blk.0.ssm_a'"):
-        mlx_name("blk.0.ssm_a", "llama")
+# GGUF tensor → mlx-lm parameter, per architecture (recurrent ones included: Mamba-2, LFM2)
+MLX_NAMES = [("blk.3.attn_q.weight", "llama", "model.layers.3.self_attn.q_proj.weight"),
+             ("blk.0.ffn_norm.weight", "llama", "model.layers.0.post_attention_layernorm.weight"),
+             ("blk.0.ffn_norm.weight", "gemma3", "model.layers.0.pre_feedforward_layernorm.weight"),
+             ("blk.2.post_ffw_norm.weight", "gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
+             ("token_embd.weight", "gemma3", "model.embed_tokens.weight"), ("output.weight", "llama", "lm_head.weight"),
+             ("blk.1.ssm_a", "mamba2", "backbone.layers.1.mixer.A_log"),
+             ("blk.0.ssm_dt.bias", "mamba2", "backbone.layers.0.mixer.dt_bias"),
+             ("blk.0.ssm_conv1d.weight", "mamba2", "backbone.layers.0.mixer.conv1d.weight"),
+             ("output_norm.weight", "mamba2", "backbone.norm_f.weight"),
+             ("blk.2.shortconv.conv.weight", "lfm2", "model.layers.2.conv.conv.weight"),
+             ("blk.1.attn_output.weight", "lfm2", "model.layers.1.self_attn.out_proj.weight"),
+             ("token_embd_norm.weight", "lfm2", "model.embedding_norm.weight")]
+
+
+@pytest.mark.parametrize("gguf_name, arch, want", MLX_NAMES)
+def test_gguf_tensor_names(gguf_name, arch, want):
+    assert mlx_name(gguf_name, arch) == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_unknown_tensor_names_are_refused(arch):
+    with pytest.raises(ModelLoadError, match=f"unknown {arch} tensor 'blk.0.ssm_a'"):
+        mlx_name("blk.0.ssm_a", arch)
 
 
 def test_missing_mlx_is_one_line_naming_the_extra(monkeypatch):

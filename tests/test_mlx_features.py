@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_fixtures import build_tiny_llama
+from llama_numpy import ExactAttention, rollback_features
 from mlx_fixtures import own_mlx_home  # noqa: F401 (used by pytestmark)
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
 
-from edgespec.backends.llama_features import LlamaFeatureBackend  # noqa: E402
 from edgespec.backends.mlx_features import MlxFeatureBackend  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("own_mlx_home")
@@ -23,27 +22,12 @@ TOKENS = [1, 504, 2113, 6356, 17, 314, 2595, 4110, 282, 253, 9, 3000]
 TOL = 1e-3  # of the feature range (max - min over all rows)
 
 
-class _ExactAttention(LlamaFeatureBackend):
-    """Flash attention off (its CPU path rounds Q·K to F16): F32 weights + F32 KV on both sides."""
-
-    def _configure_context(self, cp):
-        super()._configure_context(cp)
-        cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-
-
-@pytest.fixture(scope="module")
-def tiny8(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """8-layer random llama (n_embd 64), F32 weights: EAGLE-3's default layers are (2, 4, 5)."""
-    return build_tiny_llama(tmp_path_factory.mktemp("mf") / "tiny8.gguf", vocab_source=smollm2_path,
-                            n_layer=8, seed=0)
-
-
 def _rel_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / (b.max() - b.min()))
 
 
 def _llama_features(path: Path, chunks: list[list[int]]) -> np.ndarray:
-    with _ExactAttention(path, kv_type="f32", n_ctx=64, threads=1) as b:
+    with ExactAttention(path, kv_type="f32", n_ctx=64, threads=1) as b:
         for c in chunks:
             b.eval(c, rows="all")
         return b.features()
@@ -69,22 +53,10 @@ def test_features_match_llama_cpp(tiny8: Path):
 def test_rows_follow_positions_after_truncate(tiny8: Path):
     """Draft 4, keep 1, append 2 others: rows past n_past are gone, the kept rows are unchanged and
     the re-evaluated ones equal llama.cpp's features of the kept sequence."""
-    prompt, draft, fix = TOKENS[:6], TOKENS[6:10], [777, 4242]
     with MlxFeatureBackend(tiny8, layers=[1, 3, 7], n_ctx=64, threads=1) as b:
-        b.eval(prompt, rows="last")
-        before = b.features()
-        b.eval(draft, rows="all")
-        b.truncate(7)
-        assert b.features().shape == (7, 3 * 64)
-        with pytest.raises(IndexError):
-            b.features(0, 8)
-        np.testing.assert_array_equal(b.features(0, 6), before)
-        b.eval(fix, rows="all")
-        got = b.features()
-        b.truncate(0)
-        assert b.features().shape == (0, 3 * 64)
-    with _ExactAttention(tiny8, layers=[1, 3, 7], kv_type="f32", n_ctx=64, threads=1) as ref:
-        ref.eval(prompt + draft[:1] + fix, rows="all")
+        got = rollback_features(b, TOKENS)
+    with ExactAttention(tiny8, layers=[1, 3, 7], kv_type="f32", n_ctx=64, threads=1) as ref:
+        ref.eval(TOKENS[:7] + [777, 4242], rows="all")
         want = ref.features()
     assert got.shape == want.shape == (9, 3 * 64)
     assert _rel_diff(got, want) <= TOL

@@ -20,7 +20,6 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edge
 
 import edgespec  # noqa: E402
 from edgespec.backends.mlx import MlxBackend  # noqa: E402
-from edgespec.backends.mlx_convert import mlx_name  # noqa: E402
 from edgespec.backends.reference import ReferenceBackend  # noqa: E402
 from edgespec.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
@@ -203,18 +202,6 @@ def test_greedy_spec_equals_plain_on_converted_fixtures(arch, converted_pairs):
                 f, p = _spec_equals_plain(engine, f"{text} {text}", (arch, drafter))
                 full, partial = full + f, partial + p
     assert full > 0 and partial > 0, (full, partial)
-
-
-def test_gguf_tensor_names_of_recurrent_architectures():
-    assert mlx_name("blk.1.ssm_a", "mamba2") == "backbone.layers.1.mixer.A_log"
-    assert mlx_name("blk.0.ssm_dt.bias", "mamba2") == "backbone.layers.0.mixer.dt_bias"
-    assert mlx_name("blk.0.ssm_conv1d.weight", "mamba2") == "backbone.layers.0.mixer.conv1d.weight"
-    assert mlx_name("output_norm.weight", "mamba2") == "backbone.norm_f.weight"
-    assert mlx_name("blk.2.shortconv.conv.weight", "lfm2") == "model.layers.2.conv.conv.weight"
-    assert mlx_name("blk.1.attn_output.weight", "lfm2") == "model.layers.1.self_attn.out_proj.weight"
-    assert mlx_name("token_embd_norm.weight", "lfm2") == "model.embedding_norm.weight"
-    with pytest.raises(ModelLoadError, match="unknown lfm2 tensor 'blk.0.ssm_a'"):
-        mlx_name("blk.0.ssm_a", "lfm2")
 
 
 @pytest.mark.real

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_subprocess import run_cli_without
 from gguf_fixtures import build_tiny_llama
 from typer.testing import CliRunner
 
@@ -15,28 +14,12 @@ from edgespec.cli import app as cli
 
 runner = CliRunner()
 
-# A fresh interpreter where `import torch` fails, as on a machine without the train extra.
-_NO_TORCH = """
-import importlib.abc, sys
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, Blocker())
-sys.argv = ["edgespec", *sys.argv[1:]]
-from edgespec.cli.app import main
-main()
-"""
-
-
 def _lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip()]
 
 
 def test_missing_torch_names_the_train_extra(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, "train-head", "--target", "x.gguf", "--out",
-                           str(tmp_path / "h.gguf")], capture_output=True, text=True, timeout=60)
+    proc = run_cli_without("torch", "train-head", "--target", "x.gguf", "--out", str(tmp_path / "h.gguf"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     [line] = _lines(proc.stderr)
     assert line.startswith("error: ") and "edgespec[train]" in line

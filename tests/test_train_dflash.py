@@ -12,7 +12,7 @@ from head_oracles import DFlashHead
 
 torch = pytest.importorskip("torch")
 
-from train_fixtures import LAYERS, build_caches  # noqa: E402
+from train_fixtures import LAYERS, build_caches, resume_equals_uninterrupted  # noqa: E402
 
 from edgespec.heads.dflash import DFlashConfig, random_tensors  # noqa: E402
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash  # noqa: E402
@@ -137,15 +137,7 @@ def test_dflash_loss_falls_and_acceptance_rises(trained_dflash):
 
 
 def test_dflash_checkpoint_resume_equals_uninterrupted(caches, tmp_path):
-    a = _dflash(caches)
-    a.run(max_steps=4)
-    b = _dflash(caches)
-    b.run(max_steps=2, checkpoint=tmp_path / "ck.pt")
-    c = _dflash(caches)
-    c.load(tmp_path / "ck.pt")
-    c.run(max_steps=4)
-    for (name, x), (_, y) in zip(a.model.state_dict().items(), c.model.state_dict().items()):
-        assert torch.equal(x, y), name
+    resume_equals_uninterrupted(lambda: _dflash(caches), tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from train_fixtures import LAYERS, SEQ, build_caches  # noqa: E402
+from train_fixtures import LAYERS, SEQ, build_caches, resume_equals_uninterrupted  # noqa: E402
 
 from edgespec.backends.llama_features import LlamaFeatureBackend  # noqa: E402
 from edgespec.heads.eagle3 import Eagle3Head  # noqa: E402
@@ -79,16 +79,7 @@ def test_loss_falls_and_acceptance_rises(caches):
 
 
 def test_checkpoint_resume_equals_uninterrupted(caches, tmp_path):
-    a = _trainer(caches)
-    a.run(max_steps=4)
-    b = _trainer(caches)
-    b.run(max_steps=2, checkpoint=tmp_path / "ck.pt")
-    c = _trainer(caches)
-    c.load(tmp_path / "ck.pt")
-    assert c.step == 2
-    c.run(max_steps=4)
-    for (name, x), (_, y) in zip(a.model.state_dict().items(), c.model.state_dict().items()):
-        assert torch.equal(x, y), name
+    a, c = resume_equals_uninterrupted(lambda: _trainer(caches), tmp_path)
     for sa, sc in zip(a.opt.state_dict()["state"].values(), c.opt.state_dict()["state"].values()):
         assert torch.equal(sa["exp_avg"], sc["exp_avg"])
 

@@ -28,3 +28,21 @@ def build_caches(tmp_path_factory, tiny_target):
     info = target_info(tiny_target)
     d2t = train.d2t(len(info["tok_embd"]), 512)
     return train, held, info, d2t
+
+
+def resume_equals_uninterrupted(make, tmp_path):
+    """Trainers from `make()`: 4 steps in one run, and 2 steps checkpointed, then loaded (at step 2)
+    and run to 4, end with equal weights; returns (uninterrupted, resumed)."""
+    import torch
+
+    a = make()
+    a.run(max_steps=4)
+    b = make()
+    b.run(max_steps=2, checkpoint=tmp_path / "ck.pt")
+    c = make()
+    c.load(tmp_path / "ck.pt")
+    assert c.step == 2
+    c.run(max_steps=4)
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), c.model.state_dict().items()):
+        assert torch.equal(x, y), name
+    return a, c
