@@ -1,7 +1,8 @@
 """Assembling engines: the one place that does it, in three phases.
 
 1. plan (`plan`): file work only. Each spec is read once and each name resolved once; a published
-   head checkpoint is converted (cached), headers are read and checked against each other. The
+   head checkpoint is converted to GGUF and, on MLX, a GGUF model to MLX (both once, cached); headers
+   are read and checked against each other. The
    result is a frozen Plan of resolved paths and drafter plans.
 2. open (`Session`): the target and each drafter, through drafters.registry's tables; one Engine
    over them (a bench swaps its drafter between configs).
@@ -23,7 +24,14 @@ from typing import Any
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Drafter
 from edgespec.drafters.heads import HeadImpl
-from edgespec.drafters.registry import DrafterPlan, check_backend, open_backend, open_drafter, plan_drafter
+from edgespec.drafters.registry import (
+    DrafterPlan,
+    check_backend,
+    open_backend,
+    open_drafter,
+    plan_drafter,
+    plan_model,
+)
 from edgespec.engine import Engine
 from edgespec.scheduler import check_num_draft
 
@@ -71,12 +79,12 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
 
     check_backend(backend)
     gamma = check_num_draft(num_draft)
-    path = resolve_model(str(target or DEFAULT_TARGET))
+    path = plan_model(resolve_model(str(target or DEFAULT_TARGET)), backend)
     if drafters is None or isinstance(drafters, (str, os.PathLike)):
         drafters = [drafters]
     planned = []
     for spec in drafters:
-        drafter = plan_drafter(spec, path)
+        drafter = plan_drafter(spec, path, backend)
         if drafter is not None:  # "none"
             planned.append(drafter)
     return Plan(path, backend, tuple(planned), Options(**options), gamma)

@@ -48,10 +48,11 @@ def main() -> None:
 
     import edgespec
     from edgespec.backends.mlx import mlx_model_dir
+    from edgespec.models import resolve_model
 
     engine = edgespec.load(args.target, args.drafter, backend="mlx", n_ctx=1024, num_draft=args.num_draft)
-    target, _ = load_model(mlx_model_dir(args.target))
-    draft, _ = load_model(mlx_model_dir(args.drafter))
+    target, _ = load_model(mlx_model_dir(resolve_model(args.target)))
+    draft, _ = load_model(mlx_model_dir(resolve_model(args.drafter)))
 
     def mlx_lm_run(ids: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()

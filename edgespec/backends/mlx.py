@@ -36,10 +36,9 @@ _SPLIT_HEAD = {"llama", "gemma3_text", "lfm2"}
 
 
 def mlx_model_dir(path: str | os.PathLike, note: Callable[[str], None] | None = None) -> Path:
-    """The MLX model directory for `path`: an mlx-lm directory as it is, a GGUF file converted (cached)."""
-    from edgespec.models import resolve_model
-
-    p = resolve_model(str(path))
+    """The MLX model directory for `path` (a file or directory, not a model name): an mlx-lm directory as
+    it is, a GGUF file converted once and cached (the assembler's plan converts; later calls find it)."""
+    p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} is not an MLX model directory (no config.json)")
@@ -84,8 +83,8 @@ class MlxBackend(Closing):
     """A model on MLX (mlx-lm model classes and caches).
 
     Args:
-        path: an mlx-lm model directory (config.json + *.safetensors), a GGUF file (converted once and
-            cached), or a known model name.
+        path: an mlx-lm model directory (config.json + *.safetensors) or a GGUF file (converted once and
+            cached, by edgespec.session's plan when it assembles the engine).
         n_ctx: context size in tokens (MLX caches grow; this is the limit `eval` enforces).
         n_batch: most tokens per forward pass (longer prompts are chunked).
         threads, n_gpu_layers: accepted for the shared options; MLX chooses its own threads and device.
@@ -105,9 +104,7 @@ class MlxBackend(Closing):
         self._mx = mx = import_mlx()
         from mlx_lm.utils import load_model
 
-        from edgespec.models import resolve_model
-
-        self.path = str(resolve_model(str(path)))  # the GGUF file or MLX directory the user named
+        self.path = str(Path(path).expanduser())  # the GGUF file or MLX directory the user named
         self.model_dir = mlx_model_dir(self.path, note=lambda line: print(line, file=sys.stderr))
         config = json.loads((self.model_dir / "config.json").read_text())
         self.model_type = str(config.get("model_type"))

@@ -41,7 +41,20 @@ class DrafterPlan:
     head: HeadFile | None = None  # a head's header (its target layers, hidden size, vocabulary)
 
 
-def plan_drafter(spec: Spec | None, target: Path | None) -> DrafterPlan | None:
+def plan_model(path: Path, backend: str) -> Path:
+    """A resolved model file made ready for `backend`: on "mlx" a GGUF file is converted (once, cached),
+    so that opening it is a cache lookup. Returns `path`."""
+    check_backend(backend)
+    if backend == "mlx":
+        import sys
+
+        from edgespec.backends.mlx import mlx_model_dir
+
+        mlx_model_dir(path, note=lambda line: print(line, file=sys.stderr))
+    return path
+
+
+def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.cpp") -> DrafterPlan | None:
     """Read `spec` for the target file `target` (resolved; None: the default): None for no drafter;
     one-line errors for a malformed spec, a missing corpus, or a head made for another target."""
     if spec is None or str(spec).lower() == "none":
@@ -68,7 +81,7 @@ def plan_drafter(spec: Spec | None, target: Path | None) -> DrafterPlan | None:
         return DrafterPlan(text, "head", Path(head.path).expanduser(), head=head)
     from edgespec.models import resolve_model
 
-    return DrafterPlan(text, "model", resolve_model(str(spec)))
+    return DrafterPlan(text, "model", plan_model(resolve_model(str(spec)), backend))
 
 
 def _numbers(text: str, name: str, most: int, usage: str) -> tuple[int, ...]:
@@ -151,7 +164,7 @@ def open_drafter(plan: DrafterPlan | Spec | None, target: Backend, backend: str 
         EdgespecError (VocabMismatchError) naming both files unless the drafter can draft for `target`.
     """
     if not isinstance(plan, DrafterPlan):
-        plan = plan_drafter(plan, Path(target.path) if target is not None else None)
+        plan = plan_drafter(plan, Path(target.path) if target is not None else None, backend)
     if plan is None:
         return None
     return _DRAFTERS[plan.kind](plan, target, backend, impl, options)
