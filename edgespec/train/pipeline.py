@@ -195,7 +195,8 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         progress: ``progress(phase, done, total)`` during feature extraction.
         on_step: ``Trainer.run``'s per-step callback.
     """
-    from edgespec.backends.llama_features import LlamaFeatureBackend
+    from edgespec.backends.llama_features import eagle3_layer_ids
+    from edgespec.drafters.registry import open_backend
 
     if job.kind not in KINDS:
         raise ValueError(f"--kind must be one of {', '.join(KINDS)} (got {job.kind!r})")
@@ -205,11 +206,10 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     work = job.work_dir or home / "train" / job.target.stem
     work.mkdir(parents=True, exist_ok=True)
     info = target_info(job.target)
-    from edgespec.backends.llama_cpp import LlamaCppBackend
-
     n_ctx = max(1024, 2 * job.seq_len)
-    backend = LlamaFeatureBackend(job.target, layers=job.layers, n_ctx=n_ctx, threads=job.threads)
-    generator = LlamaCppBackend(job.target, n_ctx=n_ctx, threads=job.threads)
+    layers = job.layers or eagle3_layer_ids(info["n_layer"])
+    backend = open_backend(job.target, layers=layers, n_ctx=n_ctx, threads=job.threads)  # captures features
+    generator = open_backend(job.target, n_ctx=n_ctx, threads=job.threads)
     try:
         plan = CachePlan(target=str(job.target.resolve()), target_size=job.target.stat().st_size,
                          seq_len=job.seq_len, corpus_chars=job.corpus_chars, n_prompts=job.n_prompts,
