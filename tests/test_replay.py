@@ -56,10 +56,10 @@ def test_context_cost_by_hand():
     # 100 filler tokens before the copy task: every forward pays a per query token and cached token
     filler = list(range(1000, 1100))
     g = replay.Generation("copy", "c", filler + HEAD + OUT + [9] + HEAD, OUT, max_tokens=40)
-    c = replay.Costs(T, ctx_ms=0.01)
+    c = replay.true_costs(T, ctx_ms=0.01)
     kv0 = len(g.prompt) - 1
-    assert c(5, kv0) == pytest.approx(T[5] + 5 * 0.01 * (kv0 - replay.PROFILE_CONTEXT))
-    assert c(3, 10) == T[3]  # no credit below the profile's own context
+    assert c.t_verify(kv0)[5] == pytest.approx(T[5] + 5 * 0.01 * (kv0 - replay.PROFILE_CONTEXT))
+    assert c.t_verify(10)[3] == T[3]  # no credit below the profile's own context
     speed, cycles = replay.replay(g, c, replay.fixed(4))
     assert cycles == [(4, 4)] * 8
     plain = sum(T[1] + 0.01 * (kv0 + j - replay.PROFILE_CONTEXT) for j in range(40))

@@ -46,20 +46,15 @@ GREEDY = SamplingParams()
 Policy = Callable[[list[int], int], list[int]]  # (context, most drafts allowed) -> draft
 
 
-@dataclasses.dataclass(frozen=True)
-class Costs:
-    """T(k, c): ms of a k-token forward after c cached tokens, from the profile's T(k) (index 0
-    unused) and the attention cost per query token and cached token, which batching does not share."""
+def true_costs(t: Sequence[float], ctx_ms: float = 0.0) -> CostModel:
+    """The replay's true costs: a cost model that observes nothing, so T(k, c) is the profile's T(k)
+    (index 0 unused) plus the attention each query token pays per cached token (batches do not share it)."""
+    return CostModel({k: t[k] for k in range(1, len(t))}, ctx_ms=ctx_ms, base_context=PROFILE_CONTEXT)
 
-    t: Sequence[float]
-    ctx_ms: float = 0.0  # ms per query token per cached token
 
-    def __call__(self, k: int, context: int) -> float:
-        return self.t[k] + k * self.ctx_ms * max(0, context - PROFILE_CONTEXT)
-
-    def plain(self, context: int, n: int) -> float:
-        """ms for plain decoding to emit n tokens after `context` cached ones."""
-        return sum(self(1, context + i) for i in range(n))
+def plain_ms(c: CostModel, context: int, n: int) -> float:
+    """ms for plain decoding to emit n tokens after `context` cached ones."""
+    return sum(c.t_verify(context + i)[1] for i in range(n))
 
 
 @dataclasses.dataclass
@@ -94,11 +89,11 @@ def native(n_max: int, n: int = 3) -> Policy:
     return draft
 
 
-def replay(g: Generation, t: Sequence[float] | Costs, policy: Policy | Scheduler) -> tuple[float, list[tuple[int, int]]]:
+def replay(g: Generation, t: Sequence[float] | CostModel, policy: Policy | Scheduler) -> tuple[float, list[tuple[int, int]]]:
     """Modeled speedup of one policy over one generation, and its (γ, accepted) cycles. A Scheduler
     keeps what it learned from one generation to the next, as the engine's does (its prior is the
     profile; it observes the modeled times)."""
-    c = t if isinstance(t, Costs) else Costs(t)
+    c = t if isinstance(t, CostModel) else true_costs(t)
     truth = g.output + ([-1] if g.eos else [])  # -1: the end-of-text token, never drafted
     kv, pending, done, cost, cycles = g.prompt[:-1], g.prompt[-1], 0, 0.0, []
     sched, drafter = (policy, NgramDrafter()) if isinstance(policy, Scheduler) else (None, None)
@@ -116,7 +111,7 @@ def replay(g: Generation, t: Sequence[float] | Costs, policy: Policy | Scheduler
         while n < len(x) and done + n < len(truth) and x[n] == truth[done + n]:
             n += 1
         emitted = truth[done: done + n + 1]
-        ms = c(len(x) + 1, len(kv))
+        ms = c.t_verify(len(kv))[len(x) + 1]
         cost += ms
         if sched:
             sched.observe(d, n, 0.0, ms / 1000, len(kv))
@@ -124,12 +119,12 @@ def replay(g: Generation, t: Sequence[float] | Costs, policy: Policy | Scheduler
         kv += [pending, *x[:n]]
         pending, done = emitted[-1], done + len(emitted)
         cycles.append((len(x), n))
-    return c.plain(len(g.prompt) - 1, min(len(g.output), g.max_tokens)) / cost, cycles
+    return plain_ms(c, len(g.prompt) - 1, min(len(g.output), g.max_tokens)) / cost, cycles
 
 
-def oracle(g: Generation, t: Sequence[float] | Costs) -> float:
+def oracle(g: Generation, t: Sequence[float] | CostModel) -> float:
     """The best modeled speedup with the n-gram drafter if every γ were chosen knowing the output."""
-    c = t if isinstance(t, Costs) else Costs(t)
+    c = t if isinstance(t, CostModel) else true_costs(t)
     truth = g.output + ([-1] if g.eos else [])
     drafter, N = NgramDrafter(), len(truth)
     offers = []  # per position: (draft length on offer, how many of it are right)
@@ -142,9 +137,9 @@ def oracle(g: Generation, t: Sequence[float] | Costs) -> float:
     best, kv0 = [0.0] * (N + 1), len(g.prompt) - 1  # best[p]: least cost to emit truth[p:]
     for p in range(N - 1, -1, -1):
         n_draft, right = offers[p]
-        best[p] = min(c(gam + 1, kv0 + p) + best[min(N, p + min(gam, right) + 1)]
+        best[p] = min(c.t_verify(kv0 + p)[gam + 1] + best[min(N, p + min(gam, right) + 1)]
                       for gam in range(min(n_draft, g.max_tokens - p - 1, K_MAX - 1) + 1))
-    return c.plain(kv0, min(len(g.output), g.max_tokens)) / best[0]
+    return plain_ms(c, kv0, min(len(g.output), g.max_tokens)) / best[0]
 
 
 def costs(t_forward_ms: dict[int, float]) -> list[float]:
@@ -203,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     gens, t_forward, ctx_ms = generations(args.target, args.per_category, args.max_tokens,
                                           measure_context=args.ctx_us is None)
     t = costs(t_forward)
-    c = Costs(t, ctx_ms if args.ctx_us is None else args.ctx_us / 1000)
+    c = true_costs(t, ctx_ms if args.ctx_us is None else args.ctx_us / 1000)
     ks = args.k or [4, 8, 12]
     print("T(k)/T(1), k = 1..16:", " ".join(f"{x / t[1]:.2f}" for x in t[1:]))
     k = max(range(1, K_MAX + 1), key=lambda k: k / t[k])
     print(f"ceiling, every cycle {k - 1} right drafts: {k}·T(1)/T({k}) = {k * t[1] / t[k]:.2f}")
     ctx = statistics.median(len(g.prompt) + len(g.output) // 2 for g in gens)
     print(f"attention: {c.ctx_ms * 1000:.2f} µs per query token and cached token; at the median context of "
-          f"{ctx:.0f} tokens T(1) = {c(1, ctx):.1f} ms, T(16) = {c(16, ctx):.1f} ms ({c(16, ctx) / c(1, ctx):.2f}·T(1))\n")
+          f"{ctx:.0f} tokens T(1) = {c.t_verify(ctx)[1]:.1f} ms, T(16) = {c.t_verify(ctx)[16]:.1f} ms "
+          f"({c.t_verify(ctx)[16] / c.t_verify(ctx)[1]:.2f}·T(1))\n")
     policies: dict[str, Policy | Scheduler] = {
         "auto": Scheduler(CostModel(t_forward, ctx_ms=c.ctx_ms, base_context=PROFILE_CONTEXT))}
     policies |= {f"k={k}": fixed(k) for k in ks} | {f"native-{k}": native(k) for k in ks}
