@@ -18,7 +18,7 @@ from edgespec.backends.base import FeatureBackend
 from edgespec.drafters.heads import read_head
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import _LAYER, DFlashBlocks, DFlashConfig
-from edgespec.heads.numpy_ops import attention, rms_norm, silu
+from edgespec.heads.numpy_ops import NumpyHeadWeights, attention, rms_norm, silu
 
 F32 = npt.NDArray[np.float32]
 RTOL = 1e-4  # max |runtime − oracle| over the oracle's range (float32 heads vs the oracle's float64)
@@ -59,36 +59,23 @@ def oracle_drafter(path: str | Path, target: FeatureBackend) -> Any:
     return DFlashDrafter(runner, target, head.path)
 
 
-class DFlashHead(DFlashBlocks):
+class DFlashHead(DFlashBlocks, NumpyHeadWeights):
     """The DFlash head in numpy, with its context KV cache (target positions 0..n_past−1).
 
     Args:
-        config: hyperparameters.
-        tensors: GGUF tensor name → array (see ``DFlashConfig.shapes``); ``d2t`` int64.
-        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
-            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
+        config, tensors, tok_embd: as for NumpyHeadWeights.
         output: the target's LM head (V, H), used when ``tensors`` has neither ``output.weight``
             nor ``token_embd.weight`` (llama.cpp ties output to an own token_embd).
     """
 
     def __init__(self, config: DFlashConfig, tensors: Mapping[str, npt.NDArray],
                  tok_embd: F32 | None = None, output: F32 | None = None) -> None:
-        config.check_tensors(tensors)
-        self.config = config
-        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
-                        for k, v in tensors.items()}
-        want = (config.n_vocab, config.n_embd)
-        embd = self.tensors.get("token_embd.weight", tok_embd)
-        if embd is None or embd.shape != want:
-            raise ValueError(f"the head needs token embeddings of shape {want} (its own or the target's; "
-                             f"got {None if embd is None else embd.shape})")
+        super().__init__(config, tensors, tok_embd)
         head = self.tensors.get("output.weight", self.tensors.get("token_embd.weight", output))
         if head is None or head.shape != (config.n_draft_vocab, config.n_embd):
             raise ValueError(f"the head needs an LM head of shape {(config.n_draft_vocab, config.n_embd)} "
                              f"(its own or the target's; got {None if head is None else head.shape})")
-        self.tok_embd = np.asarray(embd, np.float32)
         self.lm_head = np.asarray(head, np.float32)
-        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
         shape = (0, config.n_head_kv, config.head_dim)
         self._k = [np.empty(shape, np.float32) for _ in range(config.n_layer)]  # per layer (positions, kv heads, d)
         self._v = [np.empty(shape, np.float32) for _ in range(config.n_layer)]

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 from head_oracles import DFlashHead
-from test_dflash_head import MASK, VD, V, _config, vocab_source  # noqa: F401 (vocab_source: a fixture)
+from test_dflash_head import MASK, VD, V, _config
 
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import random_tensors
@@ -83,7 +83,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.mark.parametrize(("weight_type", "markov_type", "rank", "w1_type"),
                          [("f32", "f32", R, Q.F32), ("q8_0", "q8_0", R, Q.F16), ("f16", None, 32, Q.Q8_0),
                           ("f32", "f16", 32, Q.F16)])
-def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str, markov_type: str | None,  # noqa: F811
+def test_gguf_round_trip(tmp_path: Path, vocab100: Path, weight_type: str, markov_type: str | None,  # noqa: F811
                          rank: int, w1_type: gguf.GGMLQuantizationType):
     """markov_w2 and the confidence head stay F32 (exact) whatever the weight type; markov_w1 is
     written in ``markov_type`` (default Q8_0 outside F32 files; F16 when Q8_0 cannot block its rows)
@@ -91,7 +91,7 @@ def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str, m
     llama.cpp's."""
     cfg = _config(markov_rank=rank, has_confidence=True)
     t = random_tensors(cfg, seed=5, d2t=np.arange(V - VD, V))
-    path = write_dflash_gguf(tmp_path / "s.gguf", cfg, t, vocab_source=vocab_source, weight_type=weight_type,
+    path = write_dflash_gguf(tmp_path / "s.gguf", cfg, t, vocab_source=vocab100, weight_type=weight_type,
                              markov_type=markov_type)
     cfg2, t2 = read_dflash_gguf(path)
     assert cfg2 == cfg and set(t2) == set(t)
@@ -110,21 +110,21 @@ def test_gguf_round_trip(tmp_path: Path, vocab_source: Path, weight_type: str, m
     assert ne["markov_w1.weight"] == ((rank, V), w1_type) and ne["markov_w2.weight"] == ((rank, VD), Q.F32)
     assert ne["conf_proj.weight"] == ((64 + rank, 1), Q.F32) and ne["conf_proj.bias"] == ((1,), Q.F32)
     cfg3, t3 = _config(markov_rank=R), random_tensors(_config(markov_rank=R))
-    cfg4, _ = read_dflash_gguf(write_dflash_gguf(tmp_path / "nc.gguf", cfg3, t3, vocab_source=vocab_source))
+    cfg4, _ = read_dflash_gguf(write_dflash_gguf(tmp_path / "nc.gguf", cfg3, t3, vocab_source=vocab100))
     assert cfg4 == cfg3 and not cfg4.has_confidence
 
 
-def test_gguf_refuses_an_unknown_markov_type(tmp_path: Path, vocab_source: Path):  # noqa: F811
+def test_gguf_refuses_an_unknown_markov_type(tmp_path: Path, vocab100: Path):  # noqa: F811
     cfg, t = _dspark()
     with pytest.raises(ValueError, match="markov_type must be one of f32, f16, q8_0 .got 'q4_0'."):
-        write_dflash_gguf(tmp_path / "x.gguf", cfg, t, vocab_source=vocab_source, markov_type="q4_0")
+        write_dflash_gguf(tmp_path / "x.gguf", cfg, t, vocab_source=vocab100, markov_type="q4_0")
 
 
-def test_gguf_refuses_sample_from_anchor(tmp_path: Path, vocab_source: Path):  # noqa: F811
+def test_gguf_refuses_sample_from_anchor(tmp_path: Path, vocab100: Path):  # noqa: F811
     cfg, t = _dspark()
     for extra in ({"dflash.sample_from_anchor": True}, None):
         path = tmp_path / "a.gguf"
-        write_dflash_gguf(path, cfg, t, vocab_source=vocab_source)
+        write_dflash_gguf(path, cfg, t, vocab_source=vocab100)
         _rewrite_key(path, extra)
         with pytest.raises(ValueError, match="dflash.sample_from_anchor = true"):
             read_dflash_gguf(path)

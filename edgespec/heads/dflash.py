@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.heads.eagle3 import config_property
 from edgespec.heads.eagle3 import random_tensors as random_tensors  # DFlashConfig heads too (re-exported)
 
 F32 = npt.NDArray[np.float32]
@@ -157,13 +158,8 @@ class DFlashBlocks(ABC):
 
     config: DFlashConfig
 
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
+    block_size = config_property("block_size", "B: the trained block, anchor included.")
+    mask_token_id = config_property("mask_token_id", "The MASK token filling a block after its anchor.")
 
     def block_tokens(self, anchor: int, n: int | None = None) -> list[int]:
         """[anchor, MASK×(n−1)], n = block_size by default (common/speculative.cpp's noise block)."""

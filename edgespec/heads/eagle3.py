@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.heads.numpy_ops import attention, rms_norm, rope_norm, silu
+from edgespec.heads.numpy_ops import NumpyHeadWeights, attention, rms_norm, rope_norm, silu
 
 F32 = npt.NDArray[np.float32]
 BLK = "blk.0."
@@ -136,54 +136,32 @@ def random_tensors(config: Any, seed: int = 0, d2t: npt.NDArray[np.int64] | None
     return out
 
 
+def config_property(name: str, doc: str) -> Any:
+    """A read-only property giving ``self.config.<name>`` (what a head runner reads from its config)."""
+    return property(lambda self: getattr(self.config, name), doc=doc)
+
+
 class Eagle3Sizes:
     """The sizes an in-process EAGLE-3 runner reads from its config (Eagle3Head here,
     heads.eagle3_mlx.MlxEagle3Head; LlamaEagle3Head has the same attributes from its model)."""
 
     config: Eagle3Config
 
-    @property
-    def n_embd(self) -> int:
-        """H, the width of g and h."""
-        return self.config.n_embd
-
-    @property
-    def n_embd_tgt(self) -> int:
-        """H_t, the target's hidden size (a feature row is 3·H_t wide)."""
-        return self.config.n_embd_tgt
-
-    @property
-    def n_vocab(self) -> int:
-        """V, the target's vocabulary (the width of the logits)."""
-        return self.config.n_vocab
+    n_embd = config_property("n_embd", "H, the width of g and h.")
+    n_embd_tgt = config_property("n_embd_tgt", "H_t, the target's hidden size (a feature row is 3·H_t wide).")
+    n_vocab = config_property("n_vocab", "V, the target's vocabulary (the width of the logits).")
 
     def close(self) -> None:
         """Nothing to free (the arrays go with the object); LlamaEagle3Head frees its handles."""
 
 
-class Eagle3Head(Eagle3Sizes):
-    """The EAGLE-3 head in numpy, with its own KV cache (positions 0..n_past-1, appended in order).
-
-    Args:
-        config: hyperparameters.
-        tensors: GGUF tensor name → array (see ``Eagle3Config.shapes``); ``d2t`` int64.
-        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
-            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
-    """
+class Eagle3Head(Eagle3Sizes, NumpyHeadWeights):
+    """The EAGLE-3 head in numpy, with its own KV cache (positions 0..n_past-1, appended in order);
+    constructed from (config, tensors, tok_embd) as NumpyHeadWeights."""
 
     def __init__(self, config: Eagle3Config, tensors: Mapping[str, npt.NDArray],
                  tok_embd: F32 | None = None) -> None:
-        config.check_tensors(tensors)
-        self.config = config
-        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
-                        for k, v in tensors.items()}
-        embd = self.tensors.get("token_embd.weight", tok_embd)
-        if embd is None or embd.shape != (config.n_vocab, config.n_embd):
-            got = None if embd is None else embd.shape
-            raise ValueError(f"the head needs token embeddings of shape {(config.n_vocab, config.n_embd)} "
-                             f"(its own or the target's; got {got})")
-        self.tok_embd = np.asarray(embd, np.float32)
-        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
+        super().__init__(config, tensors, tok_embd)
         self._k = np.empty((0, config.n_head_kv, config.head_dim), np.float32)  # (positions, kv heads, d)
         self._v = np.empty((0, config.n_head_kv, config.head_dim), np.float32)
 

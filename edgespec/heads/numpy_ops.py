@@ -5,10 +5,40 @@ float32 so the references stay within float32 rounding of llama.cpp (the MLX hea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
+
+
+class NumpyHeadWeights:
+    """What a numpy head holds from its config and GGUF tensors (heads.eagle3.Eagle3Head, the tests'
+    DFlash oracle; the MLX heads' counterpart: mlx_ops.MlxHeadWeights).
+
+    Args:
+        config: an Eagle3Config or DFlashConfig (``check_tensors``, n_vocab, n_embd).
+        tensors: GGUF tensor name → array (see the config's ``shapes``); ``d2t`` int64.
+        tok_embd: the target's token embeddings (V, H), used when ``tensors`` has no
+            ``token_embd.weight`` (llama.cpp then reads the target model's through ctx_other).
+
+    Sets ``config``, ``tensors`` (float32, d2t int64), ``tok_embd`` and ``d2t`` (all V ids when V_d == V).
+    """
+
+    def __init__(self, config: Any, tensors: Mapping[str, npt.NDArray], tok_embd: F32 | None) -> None:
+        config.check_tensors(tensors)
+        self.config = config
+        self.tensors = {k: (np.asarray(v, np.int64) if k == "d2t" else np.asarray(v, np.float32))
+                        for k, v in tensors.items()}
+        want = (config.n_vocab, config.n_embd)
+        embd = self.tensors.get("token_embd.weight", tok_embd)
+        if embd is None or embd.shape != want:
+            raise ValueError(f"the head needs token embeddings of shape {want} (its own or the target's; "
+                             f"got {None if embd is None else embd.shape})")
+        self.tok_embd = np.asarray(embd, np.float32)
+        self.d2t = self.tensors.get("d2t", np.arange(config.n_vocab, dtype=np.int64))
 
 
 def rms_norm(x: F32, weight: F32, eps: float) -> F32:
