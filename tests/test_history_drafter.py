@@ -1,4 +1,4 @@
-"""HistoryDrafter (issue #33 part 1): the suffix automaton against scans, recall across
+"""HistoryDrafter: the suffix automaton against scans, recall across
 generations, counts, the memory bound, adaptive length, privacy switches, the n-gram superset
 property, registry specs and greedy losslessness through the Engine."""
 

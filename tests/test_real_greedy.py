@@ -1,7 +1,7 @@
 """Greedy losslessness on real GGUF models through llama.cpp: speculative == plain, token for token.
 
 Q4_1 (SmolLM2) and Q8_0 / no-repack Q4_K (Gemma) kernels are batch-invariant on CPU, so the
-equality is exact there (MODELS.md). F16 and F32 are not: see test_wide_target_is_argmax_of_its_own_logits.
+equality is exact there. F16 and F32 are not: see test_wide_target_is_argmax_of_its_own_logits.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recurrent and hybrid targets on llama.cpp (#22): checkpoint/truncate is exact, and greedy
+"""Recurrent and hybrid targets on llama.cpp: checkpoint/truncate is exact, and greedy
 speculative decoding on them equals plain decoding, with n-gram and draft-model drafters.
 
 Fixtures: tests/recurrent_fixtures.py (a Mamba-2 and an LFM2 hybrid with random weights).

@@ -30,12 +30,8 @@ Every call gets the whole committed context; one that does not extend the previo
 new document, and the previous context stays indexed as history (unless remember=False). The same
 comparison shows which of the last draft's tokens the target kept, which sets the draft length.
 
-Measured on this 2-core machine (CPython 3.11, while another job loaded both cores; Zipf-like
-token ids, script in docs/history.md): with 100k tokens of history and a 2k-token context, a call
-that indexes one new token and drafts 15 costs ~13-17 µs (ngram: ~5 µs), the lookup and walk alone
-~5 µs; indexing costs ~6 µs per token (100k tokens: ~0.6 s, paid again by each eviction rebuild);
-the index holds ~170 bytes per token (~44 MiB at the default 256k tokens). A run of one short
-pattern repeated past WALK times costs ~25 µs per call.
+A call costs microseconds (indexing one token and drafting 15: ~15 µs on a 2-core CPU) and the index
+~170 bytes per token (~44 MiB at the default 256k tokens): docs/history.md has the measurements.
 """
 
 from __future__ import annotations

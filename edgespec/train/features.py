@@ -27,8 +27,8 @@ time, or finished sequences made beforehand in batches (``generate.self_distill`
 self-distillation data in the strict sense. A prompt is framed the way the runtime will show it: in
 the model's chat template, or for a base model without one in ``BASE_PROMPT``, the framing of the
 bench tasks' ``prompt`` field (``edgespec bench`` feeds a template-less target that text). A head
-trained on raw prompts but measured on framed ones under-reports its acceptance (it happened:
-RESULTS.md, the Gemma-3 heads).
+trained on raw prompts but measured on framed ones under-reports its acceptance (it happened to
+the Gemma-3 heads: docs/experiments/trained-heads.md).
 """
 
 from __future__ import annotations
