@@ -15,7 +15,7 @@ Each line is an object with exactly these keys:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -125,19 +125,7 @@ def load_tasks(path: str | Path | Traversable | None = None,
     tasks: list[Task] = []
     seen: dict[str, str] = {}
     for file in _files(Path(path) if isinstance(path, str) else path):
-        try:
-            lines = file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise EdgespecError(f"cannot read task file {file}: {err}") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{n}"
-            task = _parse_line(line, where)
-            if task.id in seen:
-                raise EdgespecError(f"{where}: duplicate id {task.id!r} (first at {seen[task.id]})")
-            seen[task.id] = where
-            tasks.append(task)
+        tasks += read_jsonl(file, _parse_line, seen, f"task file {file}", lambda task: f"id {task.id!r}")
     if not tasks:
         raise EdgespecError(f"no tasks in {path}")
     if categories is not None:
@@ -148,4 +136,25 @@ def load_tasks(path: str | Path | Traversable | None = None,
             raise EdgespecError(f"no tasks in category {', '.join(map(repr, absent))} "
                                 f"(available: {', '.join(sorted(present))})")
         tasks = [t for t in tasks if t.category in wanted]
+    return tasks
+
+
+def read_jsonl(file: Path, parse: Callable[[str, str], Task], seen: dict[str, str], what: str,
+               name: Callable[[Task], str]) -> list[Task]:
+    """The tasks of a JSONL file, one per non-blank line (`parse(line, "file:line")`); `seen` maps the
+    ids read so far (across files) to where, so a duplicate is one line naming both places."""
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise EdgespecError(f"cannot read {what}: {err}") from None
+    tasks = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{n}"
+        task = parse(line, where)
+        if task.id in seen:
+            raise EdgespecError(f"{where}: duplicate {name(task)} (first at {seen[task.id]})")
+        seen[task.id] = where
+        tasks.append(task)
     return tasks

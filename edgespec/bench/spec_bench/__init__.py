@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgespec.bench.tasks import Task, json_object
+from edgespec.bench.tasks import Task, json_object, read_jsonl
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
@@ -74,22 +74,8 @@ def load_questions(path: str | Path | Traversable | None = None) -> list[Task]:
         category, a missing or malformed field, a duplicate question_id), or the unreadable file.
     """
     file = QUESTIONS if path is None else Path(path) if isinstance(path, str) else path
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise EdgespecError(f"cannot read the Spec-Bench questions at {file}: {err}") from None
-    tasks: list[Task] = []
-    seen: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{file}:{n}"
-        task = _task(line, where)
-        if task.id in seen:
-            raise EdgespecError(f"{where}: duplicate question_id {task.id.removeprefix('spec-bench-')} "
-                                f"(first at {seen[task.id]})")
-        seen[task.id] = where
-        tasks.append(task)
+    tasks = read_jsonl(file, _task, {}, f"the Spec-Bench questions at {file}",
+                       lambda task: f"question_id {task.id.removeprefix('spec-bench-')}")
     if not tasks:
         raise EdgespecError(f"no Spec-Bench questions in {file}")
     return tasks
