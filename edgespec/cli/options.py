@@ -113,22 +113,29 @@ def run_options(**defaults: Any) -> Callable[[Callable[..., Any]], Callable[...,
 
     `defaults` override RunOptions' defaults for this command (e.g. temp=0.7 for chat).
     """
-    base = replace(RunOptions(), **defaults)
-    types = get_type_hints(RunOptions)  # the field types are strings under `from __future__`
+    return with_options(RunOptions, _FLAGS, _PANEL, **defaults)
+
+
+def with_options(cls: type, flags: dict[str, tuple[tuple[str, ...], str]], panel: str | None = None,
+                 **defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add one flag per field of the frozen dataclass `cls` to a command (`flags`: field → (names,
+    help); a field whose default is ... is required); the command receives them as `opts: cls`."""
+    base = replace(cls(), **defaults)
+    types = get_type_hints(cls)  # the field types are strings under `from __future__`
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "opts"]
         shared = []
-        for f in fields(RunOptions):
-            flags, help_text = _FLAGS[f.name]
-            option = typer.Option(*flags, help=help_text, rich_help_panel=_PANEL)
+        for f in fields(cls):
+            names, help_text = flags[f.name]
+            option = typer.Option(*names, help=help_text, rich_help_panel=panel)
             annotation = Annotated[types[f.name], option]
             shared.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                             default=getattr(base, f.name), annotation=annotation))
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> Any:
-            opts = RunOptions(**{f.name: kwargs.pop(f.name) for f in fields(RunOptions)})
+            opts = cls(**{f.name: kwargs.pop(f.name) for f in fields(cls)})
             return func(opts, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared

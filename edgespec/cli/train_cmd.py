@@ -3,102 +3,100 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-
+from edgespec.cli.options import with_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
 _KINDS = ("eagle3", "dflash", "dspark")
 _TORCH_HINT = "torch is not installed: pip install 'edgespec[train]' (the train extra)"
 
 
-# one alias per option (the command's signature stays one line an option)
-_Target = Annotated[str, typer.Option("--target", help="Target GGUF file or known model name.")]
-_Out = Annotated[Path, typer.Option("--out", help="Head GGUF to write (llama.cpp's eagle3 or dflash layout).")]
-_Kind = Annotated[str, typer.Option("--kind", help="Head type: eagle3, dflash, or dspark (Markov and confidence "
-    "heads on a frozen --base DFlash head).")]
-_BudgetMin = Annotated[float, typer.Option("--budget-min", help="Training time in minutes of this session (feature "
-    "extraction not counted; 0: no limit, needs --max-steps).")]
-_MaxSteps = Annotated[int, typer.Option("--max-steps", help="Planned total optimizer steps over all --resume "
-    "sessions: training stops there and --lr-decay ends there (0: only the budget).")]
-_Seed = Annotated[int, typer.Option("--seed", help="Seed of data order, corpus order and initialisation.")]
-_DraftVocab = Annotated[int, typer.Option("--draft-vocab", help="Draft vocabulary size (most frequent target tokens "
-    "of the training data).")]
-_Resume = Annotated[bool, typer.Option("--resume", help="Continue from the work directory's checkpoint.")]
-_WeightType = Annotated[str, typer.Option("--weight-type", help="f16 or q8_0 (2-D weights).")]
-_CorpusChars = Annotated[int, typer.Option("--corpus-chars", help="Cap on local corpus text.")]
-_Prompts = Annotated[int, typer.Option("--prompts", help="Training prompts whose greedy generations are used (−1: "
-    "all).")]
-_GenTokens = Annotated[int, typer.Option("--gen-tokens", help="Tokens generated per prompt.")]
-_GenPrompts = Annotated[int, typer.Option("--gen-prompts", help="Generated prompts (chat, code, editing, "
-    "summarising, JSON, stories, multi-turn) whose replies are self-distilled in batches (0: none).")]
-_NSeq = Annotated[int, typer.Option("--n-seq", help="Replies generated at once (one llama.cpp decode per step for "
-    "all).")]
-_GreedyShare = Annotated[float, typer.Option("--greedy-share", help="Share of generated replies that are greedy (the "
-    "rest sampled at T 0.7–1.0).")]
-_HeldoutGen = Annotated[int, typer.Option("--heldout-gen", help="More generated prompts (drawn first) whose replies "
-    "are held out: evaluated, never trained on. Rerunning with more --gen-prompts grows the data.")]
-_TttSteps = Annotated[int, typer.Option("--ttt-steps", help="Training-time-test depth.")]
-_Lr = Annotated[float, typer.Option("--lr", help="AdamW learning rate.")]
-_LrDecay = Annotated[bool, typer.Option("--lr-decay", help="Let the learning rate fall to 0 at --max-steps (default: "
-    "constant).")]
-_DecayShape = Annotated[str, typer.Option("--decay-shape", help="Shape of --lr-decay: linear or cosine.")]
-_WarmupSteps = Annotated[int, typer.Option("--warmup-steps", help="Linear learning-rate warm-up from 0 over this "
-    "many steps.")]
-_EvalEvery = Annotated[int, typer.Option("--eval-every", help="Held-out evaluation (a row of the work directory's "
-    "curve CSV) every N steps.")]
-_Device = Annotated[str, typer.Option("--device", help="Torch device: auto (cuda, else mps, else cpu), cpu, cuda or "
-    "mps.")]
-_BlockSize = Annotated[int, typer.Option("--block-size", help="dflash: block size B (anchor + B−1 drafts).")]
-_DflashLayers = Annotated[int, typer.Option("--dflash-layers", help="dflash: decoder layers.")]
-_Base = Annotated[Path | None, typer.Option("--base", help="dspark: the trained DFlash head GGUF (kept frozen).")]
-_MarkovRank = Annotated[int, typer.Option("--markov-rank", help="dspark: rank R of the Markov head.")]
-_Threads = Annotated[int, typer.Option("--threads", help="CPU threads (llama.cpp and torch; 0: default).")]
-_WorkDir = Annotated[Path | None, typer.Option("--work-dir", help="Feature cache and checkpoints (default "
-    "$EDGESPEC_HOME/train/<target>).")]
+@dataclass(frozen=True)
+class TrainOptions:
+    """train-head's flags (`with_options` makes one option a field; ... marks a required one)."""
+
+    target: str = ...
+    out: Path = ...
+    kind: str = "eagle3"
+    budget_min: float = 10.0
+    max_steps: int = 0
+    seed: int = 0
+    draft_vocab: int = 8192
+    resume: bool = False
+    weight_type: str = "f16"
+    corpus_chars: int = 1_000_000
+    prompts: int = -1
+    gen_tokens: int = 192
+    gen_prompts: int = 0
+    n_seq: int = 8
+    greedy_share: float = 0.5
+    heldout_gen: int = 0
+    ttt_steps: int = 4
+    lr: float = 5e-4
+    lr_decay: bool = False
+    decay_shape: str = "linear"
+    warmup_steps: int = 0
+    eval_every: int = 50
+    device: str = "auto"
+    block_size: int = 8
+    dflash_layers: int = 1
+    base: Path | None = None
+    markov_rank: int = 32
+    threads: int = 0
+    work_dir: Path | None = None
 
 
-def train_head(
-    target: _Target,
-    out: _Out,
-    kind: _Kind = "eagle3",
-    budget_min: _BudgetMin = 10.0,
-    max_steps: _MaxSteps = 0,
-    seed: _Seed = 0,
-    draft_vocab: _DraftVocab = 8192,
-    resume: _Resume = False,
-    weight_type: _WeightType = "f16",
-    corpus_chars: _CorpusChars = 1_000_000,
-    prompts: _Prompts = -1,
-    gen_tokens: _GenTokens = 192,
-    gen_prompts: _GenPrompts = 0,
-    n_seq: _NSeq = 8,
-    greedy_share: _GreedyShare = 0.5,
-    heldout_gen: _HeldoutGen = 0,
-    ttt_steps: _TttSteps = 4,
-    lr: _Lr = 5e-4,
-    lr_decay: _LrDecay = False,
-    decay_shape: _DecayShape = "linear",
-    warmup_steps: _WarmupSteps = 0,
-    eval_every: _EvalEvery = 50,
-    device: _Device = "auto",
-    block_size: _BlockSize = 8,
-    dflash_layers: _DflashLayers = 1,
-    base: _Base = None,
-    markov_rank: _MarkovRank = 32,
-    threads: _Threads = 0,
-    work_dir: _WorkDir = None,
-) -> None:
+_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "target": (("--target",), "Target GGUF file or known model name."),
+    "out": (("--out",), "Head GGUF to write (llama.cpp's eagle3 or dflash layout)."),
+    "kind": (("--kind",), "Head type: eagle3, dflash, or dspark (Markov and confidence heads on a frozen --base "
+                          "DFlash head)."),
+    "budget_min": (("--budget-min",), "Training time in minutes of this session (feature extraction not counted; 0: "
+                                      "no limit, needs --max-steps)."),
+    "max_steps": (("--max-steps",), "Planned total optimizer steps over all --resume sessions: training stops there "
+                                    "and --lr-decay ends there (0: only the budget)."),
+    "seed": (("--seed",), "Seed of data order, corpus order and initialisation."),
+    "draft_vocab": (("--draft-vocab",), "Draft vocabulary size (most frequent target tokens of the training data)."),
+    "resume": (("--resume",), "Continue from the work directory's checkpoint."),
+    "weight_type": (("--weight-type",), "f16 or q8_0 (2-D weights)."),
+    "corpus_chars": (("--corpus-chars",), "Cap on local corpus text."),
+    "prompts": (("--prompts",), "Training prompts whose greedy generations are used (−1: all)."),
+    "gen_tokens": (("--gen-tokens",), "Tokens generated per prompt."),
+    "gen_prompts": (("--gen-prompts",), "Generated prompts (chat, code, editing, summarising, JSON, stories, "
+                                        "multi-turn) whose replies are self-distilled in batches (0: none)."),
+    "n_seq": (("--n-seq",), "Replies generated at once (one llama.cpp decode per step for all)."),
+    "greedy_share": (("--greedy-share",), "Share of generated replies that are greedy (the rest sampled at T "
+                                          "0.7–1.0)."),
+    "heldout_gen": (("--heldout-gen",), "More generated prompts (drawn first) whose replies are held out: evaluated, "
+                                        "never trained on. Rerunning with more --gen-prompts grows the data."),
+    "ttt_steps": (("--ttt-steps",), "Training-time-test depth."),
+    "lr": (("--lr",), "AdamW learning rate."),
+    "lr_decay": (("--lr-decay",), "Let the learning rate fall to 0 at --max-steps (default: constant)."),
+    "decay_shape": (("--decay-shape",), "Shape of --lr-decay: linear or cosine."),
+    "warmup_steps": (("--warmup-steps",), "Linear learning-rate warm-up from 0 over this many steps."),
+    "eval_every": (("--eval-every",), "Held-out evaluation (a row of the work directory's curve CSV) every N steps."),
+    "device": (("--device",), "Torch device: auto (cuda, else mps, else cpu), cpu, cuda or mps."),
+    "block_size": (("--block-size",), "dflash: block size B (anchor + B−1 drafts)."),
+    "dflash_layers": (("--dflash-layers",), "dflash: decoder layers."),
+    "base": (("--base",), "dspark: the trained DFlash head GGUF (kept frozen)."),
+    "markov_rank": (("--markov-rank",), "dspark: rank R of the Markov head."),
+    "threads": (("--threads",), "CPU threads (llama.cpp and torch; 0: default)."),
+    "work_dir": (("--work-dir",), "Feature cache and checkpoints (default $EDGESPEC_HOME/train/<target>)."),
+}
+
+
+@with_options(TrainOptions, _FLAGS)
+def train_head(opts: TrainOptions) -> None:
     """Train a feature head for a target by self-distillation.
 
     Trains a speculative-decoding head (EAGLE-3, DFlash or DSpark) for the
     --target model on its own greedy continuations and writes it as a GGUF
     (needs the `train` extra: torch).
     """
-    flags = dict(locals())  # every option by name, for the checks and the job
-    _check(flags)
+    _check(opts)
     try:
         import torch
     except ImportError as e:
@@ -106,43 +104,43 @@ def train_head(
     from edgespec.train.pipeline import train_head as run
     from edgespec.train.trainer import resolve_device
 
-    resolved = resolve_device(device)  # an absent device fails here, before minutes of feature extraction
-    if threads:
-        torch.set_num_threads(threads)
+    resolved = resolve_device(opts.device)  # an absent device fails here, before minutes of feature extraction
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     with _TrainProgress() as bar:
         from edgespec.cli import ui
 
-        summary = run(_job(flags, resolved.type), note=ui.status, progress=bar.extract, on_step=bar.step)
+        summary = run(_job(opts, resolved.type), note=ui.status, progress=bar.extract, on_step=bar.step)
     _report(summary, resolved.type)
 
 
-def _check(f: dict[str, Any]) -> None:
+def _check(f: TrainOptions) -> None:
     """One line for the first flag (or pair of flags) that does not make sense."""
-    if f["kind"] not in _KINDS:
-        raise EdgespecError(f"--kind must be one of {', '.join(_KINDS)} (got {f['kind']!r})")
-    if f["kind"] == "dspark" and f["base"] is None:
+    if f.kind not in _KINDS:
+        raise EdgespecError(f"--kind must be one of {', '.join(_KINDS)} (got {f.kind!r})")
+    if f.kind == "dspark" and f.base is None:
         raise EdgespecError("--kind dspark needs --base, a DFlash head GGUF trained with --kind dflash")
-    if f["block_size"] < 2 or f["dflash_layers"] < 1 or f["markov_rank"] < 1:
-        raise EdgespecError(f"need --block-size ≥ 2, --dflash-layers ≥ 1, --markov-rank ≥ 1 (got {f['block_size']}, "
-                            f"{f['dflash_layers']}, {f['markov_rank']})")
-    if f["lr_decay"] and not f["max_steps"]:
+    if f.block_size < 2 or f.dflash_layers < 1 or f.markov_rank < 1:
+        raise EdgespecError(f"need --block-size ≥ 2, --dflash-layers ≥ 1, --markov-rank ≥ 1 (got {f.block_size}, "
+                            f"{f.dflash_layers}, {f.markov_rank})")
+    if f.lr_decay and not f.max_steps:
         raise EdgespecError("--lr-decay needs --max-steps (the learning rate reaches 0 at the last step)")
-    if f["decay_shape"] not in ("linear", "cosine") or (f["decay_shape"] == "cosine" and not f["lr_decay"]):
+    if f.decay_shape not in ("linear", "cosine") or (f.decay_shape == "cosine" and not f.lr_decay):
         raise EdgespecError(f"--decay-shape must be linear or cosine, and cosine needs --lr-decay "
-                            f"(got {f['decay_shape']!r})")
-    if f["warmup_steps"] < 0 or f["eval_every"] < 1 or (f["lr_decay"] and f["warmup_steps"] >= f["max_steps"]):
+                            f"(got {f.decay_shape!r})")
+    if f.warmup_steps < 0 or f.eval_every < 1 or (f.lr_decay and f.warmup_steps >= f.max_steps):
         raise EdgespecError(f"need --warmup-steps ≥ 0 (and < --max-steps with --lr-decay) and --eval-every ≥ 1 "
-                            f"(got {f['warmup_steps']}, {f['eval_every']}; --max-steps {f['max_steps']})")
-    if f["budget_min"] <= 0 and not f["max_steps"]:
-        raise EdgespecError(f"--budget-min {f['budget_min']:g} (no time limit) needs --max-steps")
-    if f["gen_prompts"] < 0 or f["heldout_gen"] < 0 or f["n_seq"] < 1 or not 0.0 <= f["greedy_share"] <= 1.0:
+                            f"(got {f.warmup_steps}, {f.eval_every}; --max-steps {f.max_steps})")
+    if f.budget_min <= 0 and not f.max_steps:
+        raise EdgespecError(f"--budget-min {f.budget_min:g} (no time limit) needs --max-steps")
+    if f.gen_prompts < 0 or f.heldout_gen < 0 or f.n_seq < 1 or not 0.0 <= f.greedy_share <= 1.0:
         raise EdgespecError(f"need --gen-prompts ≥ 0, --heldout-gen ≥ 0, --n-seq ≥ 1 and --greedy-share in [0, 1] "
-                            f"(got {f['gen_prompts']}, {f['heldout_gen']}, {f['n_seq']}, {f['greedy_share']:g})")
-    if f["weight_type"] not in ("f16", "q8_0"):
-        raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {f['weight_type']!r})")
+                            f"(got {f.gen_prompts}, {f.heldout_gen}, {f.n_seq}, {f.greedy_share:g})")
+    if f.weight_type not in ("f16", "q8_0"):
+        raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {f.weight_type!r})")
 
 
-def _job(f: dict[str, Any], device: str) -> Any:
+def _job(f: TrainOptions, device: str) -> Any:
     """The pipeline's HeadJob for these flags (the target resolved: the one place a name becomes a path)."""
     from edgespec.models import resolve_model
     from edgespec.train import prompts as P
@@ -152,12 +150,12 @@ def _job(f: dict[str, Any], device: str) -> Any:
     same = ("out", "kind", "seed", "draft_vocab", "resume", "weight_type", "corpus_chars", "gen_tokens", "work_dir",
             "block_size", "dflash_layers", "base", "markov_rank", "lr_decay", "gen_prompts", "n_seq", "greedy_share",
             "heldout_gen")
-    return HeadJob(target=resolve_model(f["target"]), budget_s=f["budget_min"] * 60 if f["budget_min"] > 0 else None,
-                   max_steps=f["max_steps"] or None, threads=f["threads"] or None, device=device,
-                   n_prompts=len(P.TRAIN_PROMPTS) if f["prompts"] < 0 else f["prompts"],
-                   train=TrainConfig(ttt_steps=f["ttt_steps"], lr=f["lr"], eval_every=f["eval_every"],
-                                     warmup_steps=f["warmup_steps"], decay_shape=f["decay_shape"]),
-                   **{k: f[k] for k in same})
+    return HeadJob(target=resolve_model(f.target), budget_s=f.budget_min * 60 if f.budget_min > 0 else None,
+                   max_steps=f.max_steps or None, threads=f.threads or None, device=device,
+                   n_prompts=len(P.TRAIN_PROMPTS) if f.prompts < 0 else f.prompts,
+                   train=TrainConfig(ttt_steps=f.ttt_steps, lr=f.lr, eval_every=f.eval_every,
+                                     warmup_steps=f.warmup_steps, decay_shape=f.decay_shape),
+                   **{k: getattr(f, k) for k in same})
 
 
 def _report(summary: dict[str, Any], device: str) -> None:
