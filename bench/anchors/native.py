@@ -193,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     from edgespec.api import load
     from edgespec.bench.run import run_one
     from edgespec.bench.tasks import load_tasks
-    from edgespec.drafters.registry import open_backend
-    from edgespec.engine import Engine
     from edgespec.models import resolve_model
 
     binary = find_binary(args.bin)
@@ -218,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # render every prompt with edgespec, then free the model before the native runs (kept, with
     # the drafter, when edgespec runs beside them)
-    if args.edgespec_auto:
-        engine = load(target, drafter, n_ctx=args.ctx, threads=args.threads)
-    else:
-        engine = Engine(open_backend(target, threads=args.threads, n_ctx=args.ctx))
+    engine = load(target, drafter if args.edgespec_auto else None, n_ctx=args.ctx, threads=args.threads)
     try:
         chat = engine.target.metadata("tokenizer.chat_template") is not None
         prompts = {t.id: render(engine, t, chat) for t in selected}
