@@ -178,6 +178,3 @@ class HeadDrafter:
 
     def close(self) -> None:
         self.head.close()
-
-
-FeatureTarget = FeatureBackend  # the old name; remove once cli/bench_cmd.py imports backends.base.FeatureBackend
