@@ -14,9 +14,15 @@ $(BIN)/python:
 # pip's wheel cache makes later installs fast. The mlx extra is mlx[cpu] on Linux (the MLX tests run
 # on CPU there), the Metal build on macOS. The train extra (torch, pinned) runs the head-training tests;
 # plot (matplotlib) the learning-curve PNG test.
+# On a CPU that reports AMX, llama.cpp is built without its AMX kernels: -march=native turns them on,
+# and on VMs that do not keep AMX tile state (this project's CI VMs) the Q8_0 AMX matmul dies with
+# SIGILL (tilezero, ggml_backend_amx_mul_mat). A wheel pip cached from an AMX build must be removed
+# first (`pip cache remove llama_cpp_python`): the cache does not key on CMAKE_ARGS.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS ?= $(if $(shell grep -sw amx_tile /proc/cpuinfo),-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)')
 $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "installing edgespec[llama,dev,mlx,train,serve,plot] (first time: builds llama-cpp-python, ~10 min)"
-	$(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train,serve,plot]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --progress-bar off -e ".[llama,dev,mlx,train,serve,plot]"
 	@touch $(STAMP)
 
 install: $(STAMP)

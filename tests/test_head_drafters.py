@@ -39,13 +39,14 @@ import edgespec
 from edgespec.backends.reference import ReferenceFeatureBackend
 from edgespec.drafters.eagle import EagleDrafter
 from edgespec.drafters.heads import HEAD_RUNTIMES, head_arch, read_head
-from edgespec.drafters.registry import open_backend, open_drafter, open_target
+from edgespec.drafters.registry import open_backend, open_drafter
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.heads.dflash_gguf import write_dflash_gguf
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
 from edgespec.heads.gguf_io import write_eagle3_gguf
 from edgespec.sampling import process
+from edgespec.session import open_target
 
 # kind → (γ values, max_tokens, acceptance floor) of the greedy test: γ 4 is a block kind's whole
 # block (B − 1), 9 is clamped to it; measured EAGLE-3 acceptance: γ=1 0.47, γ=3 0.40

@@ -216,9 +216,3 @@ def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImp
 
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
                                                 "model": _draft_model}
-
-
-def open_target(*args: Any, **kwargs: Any) -> Backend:  # TEMPORARY during the #31 move: tests switch to session
-    from edgespec.session import open_target as opened
-
-    return opened(*args, **kwargs)
