@@ -213,13 +213,14 @@ def pair_path(target: Backend, drafter_paths: Sequence[str], greedy: bool) -> Pa
     return profile_dir() / f"pair-{key}-{target.name}-{'greedy' if greedy else 'sampled'}.json"
 
 
-def load_acceptance(path: Path | None) -> float | None:
-    """The pair's mean acceptance of verified draft positions (None: unknown or too few)."""
+def load_acceptance(path: Path | None) -> tuple[float, float] | None:
+    """The pair's mean acceptance of verified draft positions and how many (decayed) positions it
+    rests on (None: unknown or too few)."""
     try:
         passed, judged = json.loads(path.read_text())["judged"] if path is not None else (0, 0)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return passed / judged if judged >= PAIR_MIN_JUDGED else None
+    return (passed / judged, judged) if judged >= PAIR_MIN_JUDGED else None
 
 
 def save_acceptance(path: Path | None, passed: float, judged: float) -> None:

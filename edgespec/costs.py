@@ -25,16 +25,18 @@ FIT_WEIGHT_CAP = 8  # a draft length's weight in the fit grows with its samples 
 
 class RobustTime:
     """An EMA of running medians: one slow outlier moves nothing, a lasting shift moves it within a
-    few samples."""
+    few samples. With a `prior` (> 0) the EMA starts from it, so the first sample is no more trusted
+    than the next ones (a first draft after a prompt often pays a one-off set-up); without one the
+    first sample is the value."""
 
-    def __init__(self, window: int = 5, beta: float = 0.3) -> None:
+    def __init__(self, window: int = 5, beta: float = 0.3, prior: float = 0.0) -> None:
         self.samples: deque[float] = deque(maxlen=window)
-        self.beta, self.value, self.n = beta, 0.0, 0
+        self.beta, self.value, self.n = beta, prior, 0
 
     def add(self, x: float) -> None:
         self.samples.append(x)
         m = statistics.median(self.samples)
-        self.value = m if self.n == 0 else self.value + self.beta * (m - self.value)
+        self.value = m if self.n == 0 and self.value <= 0 else self.value + self.beta * (m - self.value)
         self.n += 1
 
 
@@ -67,7 +69,9 @@ class CostModel:
         self.verify = [RobustTime() for _ in range(K_MAX + 1)]
         self.scale = RobustTime(window=9, beta=0.2)
         self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block)
-        self.draft_at = [RobustTime() for _ in range(K_MAX)]  # [γ]: ms of drafting γ tokens
+        # [γ]: ms of drafting γ tokens, each starting from the prior's line (a measured prior is not
+        # thrown away on one draft's timing)
+        self.draft_at = [RobustTime(prior=draft_fixed_ms + g * draft_per_token_ms if g else 0.0) for g in range(K_MAX)]
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
         self.ctx_ms, self.base_context = ctx_ms, base_context
         self.recurrent = recurrent

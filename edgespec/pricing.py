@@ -85,7 +85,8 @@ class Pricing:
             assert self.t_forward is not None
             cost = CostModel.for_drafter(self.t_forward, self.draft_cost.get(drafter), ctx_ms=self.ctx_ms,
                                          base_context=CONTEXT_TOKENS, recurrent=self.target.recurrent)
-            self._schedulers[key] = Scheduler(cost, prior=load_acceptance(self.pair_path(drafter, greedy)))
+            record = load_acceptance(self.pair_path(drafter, greedy))
+            self._schedulers[key] = Scheduler(cost, *(record or (None,)))
         return self._schedulers[key]
 
     def remember(self, drafter: Drafter, greedy: bool, passed: int, judged: int) -> None:

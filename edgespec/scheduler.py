@@ -51,6 +51,7 @@ RUN_PRIORS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)  # prior acceptance after a run of 0
 EXPLORE_ACCEPTANCE = 0.95  # what a same-family draft model reaches (greedy): the optimistic prior
 EXPLORE_GAIN = 1.02  # a costly drafter that would beat plain steps at EXPLORE_ACCEPTANCE (by this much) is tried at once
 EXPLORE_STRENGTH = 3.0  # weight, in verified positions, of the prior it starts from
+PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier engines is worth against this one's
 
 
 def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
@@ -145,6 +146,7 @@ class Scheduler:
 
     cost: CostModel
     prior: float | None = None  # acceptance this (target, drafter) pair showed before (None: never seen)
+    prior_judged: float = 0.0  # the verified positions that record rests on (decayed over generations)
     # acceptance by the current run of drafted tokens that were right (0, 1, 2-3, 4-7, 8-15, 16+):
     # drafts come in runs (a quote being copied, then new text), and the run so far is the best
     # single predictor of the next token; each run bucket learns its own per-position rates
@@ -172,9 +174,13 @@ class Scheduler:
             self._start_from(self.long_run())
 
     def long_run(self) -> float:
-        """The pair's acceptance over every verified position so far, with the prior worth a few."""
-        p0 = EXPLORE_ACCEPTANCE if self.prior is None else self.prior
-        return (self.judged[0] + EXPLORE_STRENGTH * p0) / (self.judged[1] + EXPLORE_STRENGTH)
+        """The pair's acceptance over every verified position so far, with the prior worth a few
+        positions (the pair's record: as many as it rests on, up to PAIR_WEIGHT)."""
+        if self.prior is None:
+            p0, w = EXPLORE_ACCEPTANCE, EXPLORE_STRENGTH
+        else:
+            p0, w = self.prior, min(PAIR_WEIGHT, max(EXPLORE_STRENGTH, self.prior_judged))
+        return (self.judged[0] + w * p0) / (self.judged[1] + w)
 
     def _start_from(self, p0: float) -> None:
         """Every run bucket and the recent hit rate start from acceptance p0, worth a few positions."""

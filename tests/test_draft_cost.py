@@ -48,12 +48,26 @@ def test_learning_converges_to_the_fixed_and_per_token_parts_from_noisy_timings(
 
 
 def test_one_draft_length_scales_the_prior():
-    # prior 10 + 1·γ; γ = 4 measured at 28 ms (the prior's 14, doubled): 20 + 2γ everywhere
+    # prior 10 + 1·γ; γ = 4 measured at 28 ms (the prior's 14, doubled): 20 + 2γ everywhere, once the
+    # timings have outweighed the prior they start from (each moves the estimate 30% of the way)
     cost = CostModel(_verify(20.0, 0.1), draft_per_token_ms=1.0, draft_fixed_ms=10.0, block=True)
-    for _ in range(3):
+    cost.observe_draft(4, 28.0)
+    assert cost.draft_fit() == pytest.approx((10.0 * 18.2 / 14, 18.2 / 14))  # 14 + 0.3·(28 − 14)
+    for _ in range(30):
         cost.observe_draft(4, 28.0)
-    assert cost.draft_fit() == pytest.approx((20.0, 2.0))
-    assert cost.t_draft()[1] == pytest.approx(22.0) and cost.t_draft()[8] == pytest.approx(36.0)
+    assert cost.draft_fit() == pytest.approx((20.0, 2.0), rel=1e-3)
+    assert cost.t_draft()[1] == pytest.approx(22.0, rel=1e-3) and cost.t_draft()[8] == pytest.approx(36.0, rel=1e-3)
+
+
+def test_a_slow_first_draft_does_not_replace_a_measured_prior():
+    # a draft model timed at 20 ms a token; its first draft after a prompt pays a one-off set-up (45 ms):
+    # the estimate moves towards it, and back as soon as drafts cost what the prior said
+    cost = CostModel(_verify(40.0, 0.1), draft_per_token_ms=20.0, draft_fixed_ms=5.0)
+    cost.observe_draft(1, 45.0)
+    assert cost.t_draft()[1] == pytest.approx(25.0 + 0.3 * 20.0)
+    for _ in range(10):
+        cost.observe_draft(1, 25.0)
+    assert cost.t_draft()[1] == pytest.approx(25.0, abs=0.5)
 
 
 def test_the_fit_never_goes_negative():
