@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
@@ -116,10 +116,17 @@ def run_options(**defaults: Any) -> Callable[[Callable[..., Any]], Callable[...,
     return with_options(RunOptions, _FLAGS, _PANEL, **defaults)
 
 
-def with_options(cls: type, flags: dict[str, tuple[tuple[str, ...], str]], panel: str | None = None,
+def flag(default: Any, help_text: str, panel: str | None = None) -> Any:
+    """A field of an options dataclass that is also its flag: --name-with-dashes, `help_text`, shown
+    under `panel` in --help (`with_options`)."""
+    return field(default=default, metadata={"help": help_text, "panel": panel})
+
+
+def with_options(cls: type, flags: dict[str, tuple[tuple[str, ...], str]] | None = None, panel: str | None = None,
                  **defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add one flag per field of the frozen dataclass `cls` to a command (`flags`: field → (names,
-    help); a field whose default is ... is required); the command receives them as `opts: cls`."""
+    help); None: each field's own `flag()` metadata; a field whose default is ... is required); the
+    command receives them as `opts: cls`."""
     base = replace(cls(), **defaults)
     types = get_type_hints(cls)  # the field types are strings under `from __future__`
 
@@ -127,8 +134,12 @@ def with_options(cls: type, flags: dict[str, tuple[tuple[str, ...], str]], panel
         own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "opts"]
         shared = []
         for f in fields(cls):
-            names, help_text = flags[f.name]
-            option = typer.Option(*names, help=help_text, rich_help_panel=panel)
+            if flags is None:
+                names, help_text = (f"--{f.name.replace('_', '-')}",), f.metadata["help"]
+                option = typer.Option(*names, help=help_text, rich_help_panel=f.metadata["panel"])
+            else:
+                names, help_text = flags[f.name]
+                option = typer.Option(*names, help=help_text, rich_help_panel=panel)
             annotation = Annotated[types[f.name], option]
             shared.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                                             default=getattr(base, f.name), annotation=annotation))

@@ -7,88 +7,63 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgespec.cli.options import with_options
+from edgespec.cli.options import flag, with_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
 _KINDS = ("eagle3", "dflash", "dspark")
 _TORCH_HINT = "torch is not installed: pip install 'edgespec[train]' (the train extra)"
+_DATA, _OPT, _HEAD = "Training data", "Optimisation", "Head shape and runtime"
 
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """train-head's flags (`with_options` makes one option a field; ... marks a required one)."""
+    """train-head's flags, each declared once: its default, help and --help panel (`flag`)."""
 
-    target: str = ...
-    out: Path = ...
-    kind: str = "eagle3"
-    budget_min: float = 10.0
-    max_steps: int = 0
-    seed: int = 0
-    draft_vocab: int = 8192
-    resume: bool = False
-    weight_type: str = "f16"
-    corpus_chars: int = 1_000_000
-    prompts: int = -1
-    gen_tokens: int = 192
-    gen_prompts: int = 0
-    n_seq: int = 8
-    greedy_share: float = 0.5
-    heldout_gen: int = 0
-    ttt_steps: int = 4
-    lr: float = 5e-4
-    lr_decay: bool = False
-    decay_shape: str = "linear"
-    warmup_steps: int = 0
-    eval_every: int = 50
-    device: str = "auto"
-    block_size: int = 8
-    dflash_layers: int = 1
-    base: Path | None = None
-    markov_rank: int = 32
-    threads: int = 0
-    work_dir: Path | None = None
+    target: str = flag(..., "Target GGUF file or known model name.")
+    out: Path = flag(..., "Head GGUF to write (llama.cpp's eagle3 or dflash layout).")
+    kind: str = flag("eagle3", "Head type: eagle3, dflash, or dspark (Markov and confidence heads on a frozen "
+                     "--base DFlash head).")
+    budget_min: float = flag(10.0, "Training time in minutes of this session (feature extraction not counted; 0: "
+                             "no limit, needs --max-steps).")
+    max_steps: int = flag(0, "Planned total optimizer steps over all --resume sessions: training stops there and "
+                          "--lr-decay ends there (0: only the budget).")
+    resume: bool = flag(False, "Continue from the work directory's checkpoint.")
 
+    # the training data
+    seed: int = flag(0, "Seed of data order, corpus order and initialisation.", _DATA)
+    draft_vocab: int = flag(8192, "Draft vocabulary size (most frequent target tokens of the training data).", _DATA)
+    corpus_chars: int = flag(1_000_000, "Cap on local corpus text.", _DATA)
+    prompts: int = flag(-1, "Training prompts whose greedy generations are used (−1: all).", _DATA)
+    gen_tokens: int = flag(192, "Tokens generated per prompt.", _DATA)
+    gen_prompts: int = flag(0, "Generated prompts (chat, code, editing, summarising, JSON, stories, multi-turn) "
+                            "whose replies are self-distilled in batches (0: none).", _DATA)
+    n_seq: int = flag(8, "Replies generated at once (one llama.cpp decode per step for all).", _DATA)
+    greedy_share: float = flag(0.5, "Share of generated replies that are greedy (the rest sampled at T 0.7–1.0).",
+                               _DATA)
+    heldout_gen: int = flag(0, "More generated prompts (drawn first) whose replies are held out: evaluated, never "
+                            "trained on. Rerunning with more --gen-prompts grows the data.", _DATA)
 
-_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
-    "target": (("--target",), "Target GGUF file or known model name."),
-    "out": (("--out",), "Head GGUF to write (llama.cpp's eagle3 or dflash layout)."),
-    "kind": (("--kind",), "Head type: eagle3, dflash, or dspark (Markov and confidence heads on a frozen --base "
-                          "DFlash head)."),
-    "budget_min": (("--budget-min",), "Training time in minutes of this session (feature extraction not counted; 0: "
-                                      "no limit, needs --max-steps)."),
-    "max_steps": (("--max-steps",), "Planned total optimizer steps over all --resume sessions: training stops there "
-                                    "and --lr-decay ends there (0: only the budget)."),
-    "seed": (("--seed",), "Seed of data order, corpus order and initialisation."),
-    "draft_vocab": (("--draft-vocab",), "Draft vocabulary size (most frequent target tokens of the training data)."),
-    "resume": (("--resume",), "Continue from the work directory's checkpoint."),
-    "weight_type": (("--weight-type",), "f16 or q8_0 (2-D weights)."),
-    "corpus_chars": (("--corpus-chars",), "Cap on local corpus text."),
-    "prompts": (("--prompts",), "Training prompts whose greedy generations are used (−1: all)."),
-    "gen_tokens": (("--gen-tokens",), "Tokens generated per prompt."),
-    "gen_prompts": (("--gen-prompts",), "Generated prompts (chat, code, editing, summarising, JSON, stories, "
-                                        "multi-turn) whose replies are self-distilled in batches (0: none)."),
-    "n_seq": (("--n-seq",), "Replies generated at once (one llama.cpp decode per step for all)."),
-    "greedy_share": (("--greedy-share",), "Share of generated replies that are greedy (the rest sampled at T "
-                                          "0.7–1.0)."),
-    "heldout_gen": (("--heldout-gen",), "More generated prompts (drawn first) whose replies are held out: evaluated, "
-                                        "never trained on. Rerunning with more --gen-prompts grows the data."),
-    "ttt_steps": (("--ttt-steps",), "Training-time-test depth."),
-    "lr": (("--lr",), "AdamW learning rate."),
-    "lr_decay": (("--lr-decay",), "Let the learning rate fall to 0 at --max-steps (default: constant)."),
-    "decay_shape": (("--decay-shape",), "Shape of --lr-decay: linear or cosine."),
-    "warmup_steps": (("--warmup-steps",), "Linear learning-rate warm-up from 0 over this many steps."),
-    "eval_every": (("--eval-every",), "Held-out evaluation (a row of the work directory's curve CSV) every N steps."),
-    "device": (("--device",), "Torch device: auto (cuda, else mps, else cpu), cpu, cuda or mps."),
-    "block_size": (("--block-size",), "dflash: block size B (anchor + B−1 drafts)."),
-    "dflash_layers": (("--dflash-layers",), "dflash: decoder layers."),
-    "base": (("--base",), "dspark: the trained DFlash head GGUF (kept frozen)."),
-    "markov_rank": (("--markov-rank",), "dspark: rank R of the Markov head."),
-    "threads": (("--threads",), "CPU threads (llama.cpp and torch; 0: default)."),
-    "work_dir": (("--work-dir",), "Feature cache and checkpoints (default $EDGESPEC_HOME/train/<target>)."),
-}
+    # the optimisation
+    ttt_steps: int = flag(4, "Training-time-test depth.", _OPT)
+    lr: float = flag(5e-4, "AdamW learning rate.", _OPT)
+    lr_decay: bool = flag(False, "Let the learning rate fall to 0 at --max-steps (default: constant).", _OPT)
+    decay_shape: str = flag("linear", "Shape of --lr-decay: linear or cosine.", _OPT)
+    warmup_steps: int = flag(0, "Linear learning-rate warm-up from 0 over this many steps.", _OPT)
+    eval_every: int = flag(50, "Held-out evaluation (a row of the work directory's curve CSV) every N steps.", _OPT)
+
+    # the head's shape, and where it all runs
+    weight_type: str = flag("f16", "f16 or q8_0 (2-D weights).", _HEAD)
+    block_size: int = flag(8, "dflash: block size B (anchor + B−1 drafts).", _HEAD)
+    dflash_layers: int = flag(1, "dflash: decoder layers.", _HEAD)
+    base: Path | None = flag(None, "dspark: the trained DFlash head GGUF (kept frozen).", _HEAD)
+    markov_rank: int = flag(32, "dspark: rank R of the Markov head.", _HEAD)
+    device: str = flag("auto", "Torch device: auto (cuda, else mps, else cpu), cpu, cuda or mps.", _HEAD)
+    threads: int = flag(0, "CPU threads (llama.cpp and torch; 0: default).", _HEAD)
+    work_dir: Path | None = flag(None, "Feature cache and checkpoints (default $EDGESPEC_HOME/train/<target>).",
+                                 _HEAD)
 
 
-@with_options(TrainOptions, _FLAGS)
+@with_options(TrainOptions)
 def train_head(opts: TrainOptions) -> None:
     """Train a feature head for a target by self-distillation.
 
