@@ -3,7 +3,7 @@ generations, and conversations rendered with the target's chat template."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,7 @@ class Generating:
 
     target: Any
     last_stats: Stats | None
-
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs: Any) -> Iterator[Chunk]:
-        raise NotImplementedError
+    stream: Callable[..., Iterator[Chunk]]  # the subclass's
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs) -> Generation:
         """Generate a completion. Takes the same keyword arguments as `stream`.

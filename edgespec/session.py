@@ -168,11 +168,18 @@ def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend:
     else the first auto generation does. Other arguments: as for `plan`.
     """
     planned = plan(target, drafter, backend, num_draft=num_draft, **options)
-    session = Session(planned)
+    engine = Session(planned).engine
     try:
-        if price and session.engine.num_draft == "auto":
-            session.price(note)
+        if price:
+            price_engine(engine, note)
     except BaseException:
-        session.close()
+        engine.close()
         raise
-    return session.engine
+    return engine
+
+
+def price_engine(engine: Engine, note: Callable[[str], None] | None = None) -> None:
+    """Price an engine now, not at its first auto generation: only when num_draft is "auto" and it has
+    a drafter (cached per model; `note` hears of timing). `load(price=True)` and `serve` call it."""
+    if engine.num_draft == "auto" and engine.drafter is not None:
+        engine.calibrate(note=note)

@@ -141,21 +141,22 @@ def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | 
         api_key: Bearer key required on every endpoint but /health.
         queue: most requests waiting behind the running one (beyond: 503 with Retry-After).
         defaults: sampling values for requests that omit them (edgespec.server.Defaults).
-        engine: an Engine already loaded (left open; `engine.calibrate()` prices it before the first
-            request); otherwise one is loaded, priced and closed at the end.
+        engine: an Engine already loaded (left open); otherwise one is loaded and closed at the end.
+            Either is priced before the first request.
         access_log: log every request.
         **load_options: for `edgespec.load` (backend, n_ctx, threads, n_gpu_layers, num_draft, verbose).
     """
-    from edgespec.session import load
+    from edgespec.session import load, price_engine
 
     import_uvicorn()
     setup_logging()
     warning = host_warning(host)
     if warning:
         log.warning(warning)
-    own = engine is None  # priced before the first request, not during it (cached per model)
-    engine = load(target, drafter, note=log.info, price=True, **load_options) if engine is None else engine
+    own = engine is None
+    engine = load(target, drafter, **load_options) if engine is None else engine
     try:
+        price_engine(engine, note=log.info)  # before the first request, not during it (cached per model)
         server = Server(engine, host=host, port=port, api_key=api_key, queue=queue, defaults=defaults,
                         access_log=access_log)
         log.info("serving %s at http://%s:%d/v1 (drafter: %s)", server.model, host, port,
