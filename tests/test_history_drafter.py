@@ -227,6 +227,67 @@ def test_remember_false_looks_at_the_current_context_only():
     assert d.indexed == 7
 
 
+def test_scopes_keep_separate_histories():
+    a, b = list(range(100, 140)), list(range(200, 240))
+    d = HistoryDrafter(corpus_tokens=[[30, 31, 32, 33]])
+    d.use("alice")
+    remember(d, a)
+    d.use("bob")
+    assert d.scope == "bob" and d.scopes == ["alice", "bob"]
+    assert draft(d, [1, 110, 111]).tokens == []  # alice's text is not in bob's index
+    assert draft(d, [1, 31, 32]).tokens == [33]  # the corpus is everyone's
+    d.reset()
+    remember(d, b)
+    d.use("alice")
+    assert draft(d, [1, 110, 111]).tokens == [112, 113, 114, 115]
+    d.reset()
+    assert draft(d, [1, 210, 211]).tokens == []
+    d.reset()
+    d.forget("bob")  # another scope, dropped whole
+    d.use("bob")
+    assert draft(d, [1, 210, 211]).tokens == []
+    d.reset()
+    d.use("alice")
+    d.forget("alice")  # the current scope, cleared in place
+    assert draft(d, [1, 110, 111]).tokens == []
+    d.reset()
+    remember(d, a)
+    d.clear()  # every scope
+    assert d.scopes == [None] and d.indexed == 5  # the corpus and its separator
+
+
+def test_memory_bound_holds_across_scopes_and_evicts_the_least_recently_used():
+    limit = 300
+    d = HistoryDrafter(limit)
+    docs = {s: [1000 * k + i for i in range(80)] for k, s in enumerate("abcd")}
+    for s in "abc":  # three scopes of 81 tokens each: all fit
+        d.use(s)
+        remember(d, docs[s])
+        assert d.indexed <= limit
+    d.use("a")  # a is now the most recently used; b the least
+    d.reset()
+    d.use("d")
+    for n in range(2, 81, 5):
+        draft(d, docs["d"][:n])
+        assert d.indexed <= limit
+    d.reset()
+    assert d.indexed <= limit and "b" not in d.scopes and {"a", "c", "d"} <= set(d.scopes)
+    d.use("a")
+    assert draft(d, [5, docs["a"][10], docs["a"][11]]).tokens[:2] == docs["a"][12:14]
+
+
+def test_remember_can_be_switched_off_later():
+    d = HistoryDrafter()
+    remember(d, list(range(100, 140)))
+    d.remember = False
+    remember(d, [1, 2, 3])  # the next document ends: nothing is remembered from now on
+    assert draft(d, [1, 110, 111]).tokens == [] and d.indexed == 3  # the current context only
+    d.reset()
+    big = [[5000 + 100 * k + i for i in range(60)] for k in range(10)]
+    remember(d, *big)  # no earlier context comes back through a rebuild
+    assert draft(d, [1, 110, 111]).tokens == []
+
+
 def test_the_context_is_never_mutated():
     ctx = [1, 2, 3, 1, 2]
     d = HistoryDrafter()

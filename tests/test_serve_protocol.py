@@ -209,7 +209,8 @@ def test_worker_queue_is_fifo_and_bounded() -> None:
         assert all(s.done.wait(5) for s in sinks)
         assert [s.text for s in sinks] == ["a0 a1 ", "b0 b1 ", "c0 c1 "]
         assert all(s.events[-1].kind == "done" and s.events[-1].reason == "length" for s in sinks)
-        assert worker.status() == {"generating": False, "waiting": 0, "done": 3, "cancelled": 0} and jobs
+        assert worker.status() == {"generating": False, "waiting": 0, "done": 3, "cancelled": 0,
+                                   "history": "global"} and jobs
     finally:
         worker.close()
 
@@ -266,6 +267,8 @@ def test_an_engine_busy_elsewhere_is_a_503_not_a_400():
     from edgespec.server.worker import Job, Worker
 
     class Busy:
+        drafter = None
+
         def stream(self, prompt, **kw):
             raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
             yield  # a generator, as Engine.stream is

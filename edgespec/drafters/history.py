@@ -37,7 +37,8 @@ A call costs microseconds (indexing one token and drafting 15: ~15 µs on a 2-co
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -53,6 +54,7 @@ MIN_PROB = 0.1  # stop once the walk's estimated probability falls below this (S
 SLOW_START = 4  # at most max(SLOW_START, 2 × run of right draft tokens) are drafted...
 MISSES = 3  # ...and 1 after this many drafts in a row whose first token was wrong
 WALK = 64  # suffix-link steps updated per indexed token (bounds the cost of a long periodic run)
+_STATE = ("_sam", "_docs", "_ctx", "_skip", "_prev", "_run", "_misses")  # one scope's index and counters
 NONE, MULTI = -1, -2  # `tok` codes: no transition; transitions in `multi`. Separators are <= -3
 
 
@@ -194,6 +196,7 @@ class HistoryDrafter:
             (the index is rebuilt from the newest, down to KEEP of the limit).
         corpus_tokens: token id sequences indexed for good (at most max_tokens // 2 tokens in all).
         remember: False: index the current context only (n-gram lookup with counts) and the corpus.
+            Settable at any time; the next document starts without history.
         alpha: a draft is at most alpha × the match length.
         min_match: shortest suffix match drafted from.
     """
@@ -220,8 +223,46 @@ class HistoryDrafter:
 
     @property
     def indexed(self) -> int:
-        """Tokens in the index now (corpus, history, current context, one separator per document)."""
-        return len(self._sam)
+        """Tokens indexed now, every scope's (corpus, history, current context, one separator per
+        document): at most max_tokens."""
+        return len(self._sam) + self._others
+
+    @property
+    def scope(self) -> Hashable:
+        """The scope whose index drafts now (see `use`)."""
+        return self._scope
+
+    @property
+    def scopes(self) -> list[Hashable]:
+        """Every scope that remembers something, least recently used first, then the current one."""
+        return [*self._stores, self._scope]
+
+    def use(self, scope: Hashable) -> None:
+        """Draft from, and remember into, `scope`'s own index from now on (a new scope starts with the
+        corpus only): a server gives each client one, so that no client's drafts, nor their timing,
+        come from another's text. The current document ends; the other scopes' indexes are kept, and
+        their tokens count toward max_tokens (the least recently used scope is evicted first)."""
+        if scope == self._scope:
+            return
+        self._end_document()
+        if self._docs:  # a scope that remembers nothing is not kept
+            self._stores[self._scope] = tuple(getattr(self, k) for k in _STATE)
+            self._others += len(self._sam)
+        self._scope = scope
+        stored = self._stores.pop(scope, None)
+        if stored is None:
+            self._fresh()
+        else:
+            self._others -= len(stored[0])
+            for k, v in zip(_STATE, stored):
+                setattr(self, k, v)
+
+    def forget(self, scope: Hashable) -> None:
+        """Forget every context `scope` saw (the corpus stays); the current scope is cleared in place."""
+        if scope == self._scope:
+            self._fresh()
+        elif scope in self._stores:
+            self._others -= len(self._stores.pop(scope)[0])
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
@@ -251,7 +292,14 @@ class HistoryDrafter:
         self._end_document()
 
     def clear(self) -> None:
-        """Forget every context seen (the corpus stays)."""
+        """Forget every context seen, in every scope (the corpus stays)."""
+        self._stores: OrderedDict[Hashable, tuple] = OrderedDict()  # the other scopes' state, LRU first
+        self._others = 0  # tokens indexed by the other scopes
+        self._scope: Hashable = None
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """An empty history (the corpus only) for the current scope."""
         self._sam = self._base.copy() if self._base is not None else SuffixAutomaton()
         self._docs: list[array] = []  # earlier contexts still indexed, oldest first (for rebuilds)
         self._ctx: list[int] = []  # the current context (a copy)
@@ -275,10 +323,10 @@ class HistoryDrafter:
         new = [int(t) for t in context[n_old:]]
         self._score(new)
         self._ctx.extend(new)
-        if len(self._sam) + len(new) > self.max_tokens:
-            self._rebuild()
-        else:
+        if self._room(len(new)):
             self._sam.extend(new)
+        else:
+            self._rebuild()
 
     def _score(self, new: list[int]) -> None:
         """Learn from the tokens that followed the last draft: the run of right draft tokens, and
@@ -300,13 +348,20 @@ class HistoryDrafter:
         if not ctx:
             return
         if not self.remember:
-            self._sam = self._base.copy() if self._base is not None else SuffixAutomaton()
+            self._fresh()
             return
         self._docs.append(array("i", ctx[skip:]))
-        if len(self._sam) < self.max_tokens:
+        if self._room(1):
             self._sam.separate()
         else:
             self._rebuild()
+
+    def _room(self, n: int) -> bool:
+        """Whether n more tokens fit under max_tokens, once the least recently used other scopes are
+        evicted as far as needed (False: the current scope must evict its own oldest, `_rebuild`)."""
+        while self._stores and len(self._sam) + n + self._others > self.max_tokens:
+            self._others -= len(self._stores.popitem(last=False)[1][0])
+        return len(self._sam) + n + self._others <= self.max_tokens
 
     def _rebuild(self) -> None:
         """Evict the oldest contexts (then the current context's oldest tokens) down to KEEP of the

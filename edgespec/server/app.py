@@ -1,8 +1,12 @@
 """The Starlette app: OpenAI-compatible endpoints over one Worker.
 
 GET /health (never behind the key), GET /v1/models, POST /v1/chat/completions, POST /v1/completions
-(streamed as server-sent events when "stream": true). Every refusal is OpenAI's error object and one
-log line; nothing returns a traceback.
+(streamed as server-sent events when "stream": true), POST /v1/history/clear (forget the caller's
+history: edgespec.server.isolation). Every refusal is OpenAI's error object and one log line;
+nothing returns a traceback.
+
+A client is the API key it sent (its index among the keys; None without keys) and the request's
+OpenAI `user` field: the worker isolates clients from each other as --history says.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from edgespec.server.protocol import (
     chunk,
     parse_json,
     parse_request,
+    parse_user,
     sse,
 )
 from edgespec.server.protocol import response as full_response
@@ -41,11 +46,11 @@ DRAIN_LIMIT = 16 * MAX_BODY  # an oversized body is read (and dropped) up to her
 
 @dataclass(frozen=True)
 class ServeState:
-    """What the handlers share: the worker, the model id they report, the key, request defaults."""
+    """What the handlers share: the worker, the model id they report, the keys, request defaults."""
 
     worker: Worker
     model: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no key asked
     defaults: Defaults = Defaults()
     drafting: bool = False  # a drafter is loaded: timings carry draft_n / draft_n_accepted
 
@@ -57,7 +62,7 @@ def create_app(state: ServeState) -> Starlette:
         async def wrapped(request: Request) -> Response:
             try:
                 if auth:
-                    _check_key(request, state.api_key)
+                    request.state.key = _check_key(request, state.api_keys)
                 return await handler(request)
             except ApiError as e:
                 return _error(request, e)
@@ -79,6 +84,12 @@ def create_app(state: ServeState) -> Starlette:
     async def completions(request: Request) -> Response:
         return await _generate(request, state, "completion")
 
+    async def clear_history(request: Request) -> Response:
+        body = await _read_body(request)
+        user = parse_user(parse_json(body)) if body.strip() else ""
+        state.worker.clear_history((request.state.key, user))
+        return JSONResponse({"object": "history.cleared", "history": state.worker.isolation.mode})
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return _error(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -87,7 +98,8 @@ def create_app(state: ServeState) -> Starlette:
     routes = [Route("/health", endpoint(health, auth=False)),
               Route("/v1/models", endpoint(models)),
               Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
-              Route("/v1/completions", endpoint(completions), methods=["POST"])]
+              Route("/v1/completions", endpoint(completions), methods=["POST"]),
+              Route("/v1/history/clear", endpoint(clear_history), methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
@@ -97,13 +109,18 @@ def _error(request: Request, e: ApiError, logged: bool = False) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _check_key(request: Request, key: str | None) -> None:
-    if key is None:
-        return
+def _check_key(request: Request, keys: tuple[str, ...]) -> int | None:
+    """The index of the key the request sent (None when the server asks for none); 401 otherwise.
+    Every key is compared, in constant time, so timing does not tell which one nearly matched."""
+    if not keys:
+        return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    sent = token.strip().encode()
+    matches = [hmac.compare_digest(sent, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise ApiError(401, "invalid or missing API key (send the header Authorization: Bearer <key>)",
                        code="invalid_api_key")
+    return matches.index(True)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -156,7 +173,7 @@ class _Channel:
 async def _generate(request: Request, state: ServeState, kind: str) -> Response:
     req = parse_request(kind, parse_json(await _read_body(request)), state.defaults)
     channel = _Channel(request)
-    job = state.worker.submit(req, channel)
+    job = state.worker.submit(req, channel, client=(request.state.key, req.user))
     handed_over = False
     try:
         first = await channel.next()

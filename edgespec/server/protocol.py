@@ -20,6 +20,7 @@ from edgespec.stats import Stats
 
 MAX_BODY = 1 << 20  # bytes; a larger body is refused with 413
 MAX_STOPS = 16
+MAX_USER = 256  # characters of the OpenAI `user` field (it names a history scope: edgespec.server.isolation)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason → OpenAI's
 
 
@@ -68,6 +69,7 @@ class GenRequest:
     include_usage: bool = False
     id: str = ""
     created: int = 0
+    user: str = ""  # OpenAI's end-user id: subdivides the caller's history scope
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -100,7 +102,17 @@ def parse_request(kind: str, data: dict[str, Any], defaults: Defaults) -> GenReq
     include_usage = bool(stream and opts.get("include_usage"))
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return GenRequest(kind, messages, prompt, _options(data, defaults), stream, include_usage,
-                      f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()))
+                      f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), parse_user(data))
+
+
+def parse_user(data: dict[str, Any]) -> str:
+    """The optional `user` field: a string of at most MAX_USER characters ("" when absent)."""
+    user = data.get("user")
+    if user is None:
+        return ""
+    if not isinstance(user, str) or len(user) > MAX_USER:
+        raise ApiError(400, f"user must be a string of at most {MAX_USER} characters", param="user")
+    return user
 
 
 def _flag(data: dict[str, Any], name: str) -> bool:

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,16 @@ def host_warning(host: str) -> str | None:
             " (set --api-key, or keep the default --host 127.0.0.1)")
 
 
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The accepted keys: none, one, or several (each a client of its own); empty or repeated ones refused."""
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    if any(not k.strip() for k in keys):
+        raise EdgespecError("--api-key is empty")
+    if len(set(keys)) < len(keys):
+        raise EdgespecError("--api-key is given twice with the same key")
+    return keys
+
+
 def import_uvicorn() -> Any:
     """The uvicorn module (starlette checked too); MissingDependencyError naming the extra if absent."""
     try:
@@ -56,28 +67,33 @@ class Server:
     Args:
         engine: the loaded Engine (not closed by the server).
         host, port: where to listen (port 0: a free port, see `url` once started).
-        api_key: if set, every endpoint but /health wants `Authorization: Bearer <api_key>`.
+        api_key: if set, every endpoint but /health wants `Authorization: Bearer <api_key>`; several
+            keys (a sequence) are several clients, each with its own history (see `history`).
         queue: most requests waiting behind the running generation (beyond: 503 + Retry-After).
+        history: "auto", "off", "session" or "global": what a request may draft from (and its timing
+            reveal) of earlier requests; edgespec.server.isolation says what each means.
         defaults: sampling values for requests that omit them.
         model: the model id /v1/models reports (default: the target file's name).
         access_log: log every request (uvicorn's access log).
     """
 
     def __init__(self, engine: Engine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 api_key: str | None = None, queue: int = DEFAULT_QUEUE, defaults: Defaults | None = None,
-                 model: str | None = None, access_log: bool = False) -> None:
+                 api_key: str | Sequence[str] | None = None, queue: int = DEFAULT_QUEUE,
+                 history: str = "auto", defaults: Defaults | None = None, model: str | None = None,
+                 access_log: bool = False) -> None:
         uvicorn = import_uvicorn()
         from edgespec.server.app import ServeState, create_app
+        from edgespec.server.isolation import Isolation, resolve_mode
         from edgespec.server.worker import Worker
 
         if not 0 <= port <= 65535:
             raise EdgespecError(f"--port must be in 0..65535 (got {port})")
-        if api_key is not None and not api_key.strip():
-            raise EdgespecError("--api-key is empty")
+        keys = api_keys(api_key)
         self.engine = engine
-        self.worker = Worker(engine, queue)
+        self.history = resolve_mode(history, len(keys), host_warning(host) is None)
+        self.worker = Worker(engine, queue, Isolation(engine, self.history))
         self.model = model or Path(str(engine.target.path)).stem
-        self.app = create_app(ServeState(self.worker, self.model, api_key, defaults or Defaults(),
+        self.app = create_app(ServeState(self.worker, self.model, keys, defaults or Defaults(),
                                          drafting=engine.drafter is not None))
         config = uvicorn.Config(self.app, host=host, port=port, access_log=access_log, lifespan="off",
                                 log_level="info" if access_log else "warning", timeout_graceful_shutdown=5)
@@ -129,17 +145,18 @@ class Server:
 
 
 def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | None = "ngram", *,
-          host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-          queue: int = DEFAULT_QUEUE, defaults: Defaults | None = None, engine: Engine | None = None,
-          access_log: bool = False, **load_options: Any) -> None:
+          host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | Sequence[str] | None = None,
+          queue: int = DEFAULT_QUEUE, history: str = "auto", defaults: Defaults | None = None,
+          engine: Engine | None = None, access_log: bool = False, **load_options: Any) -> None:
     """Serve a model over the OpenAI HTTP API until interrupted (`edgespec serve` in Python).
 
     Args:
         target, drafter: as for `edgespec.load` (ignored when `engine` is given).
         host: where to listen; anything but loopback logs a warning.
         port: TCP port.
-        api_key: Bearer key required on every endpoint but /health.
+        api_key: Bearer key (or keys, one per client) required on every endpoint but /health.
         queue: most requests waiting behind the running one (beyond: 503 with Retry-After).
+        history: "auto" (default), "off", "session" or "global" (see `Server`).
         defaults: sampling values for requests that omit them (edgespec.server.Defaults).
         engine: an Engine already loaded (left open); otherwise one is loaded and closed at the end.
             Either is priced before the first request.
@@ -157,10 +174,10 @@ def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | 
     engine = load(target, drafter, **load_options) if engine is None else engine
     try:
         price_engine(engine, note=log.info)  # before the first request, not during it (cached per model)
-        server = Server(engine, host=host, port=port, api_key=api_key, queue=queue, defaults=defaults,
-                        access_log=access_log)
-        log.info("serving %s at http://%s:%d/v1 (drafter: %s)", server.model, host, port,
-                 "none" if engine.drafter is None else engine.drafter.name)
+        server = Server(engine, host=host, port=port, api_key=api_key, queue=queue, history=history,
+                        defaults=defaults, access_log=access_log)
+        log.info("serving %s at http://%s:%d/v1 (drafter: %s, history: %s)", server.model, host, port,
+                 "none" if engine.drafter is None else engine.drafter.name, server.history)
         server.run()
     finally:
         if own:

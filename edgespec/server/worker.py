@@ -13,12 +13,13 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgespec.engine import Chunk, Engine
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
+from edgespec.server.isolation import Isolation
 from edgespec.server.protocol import ApiError, GenRequest
 from edgespec.stats import Stats
 
@@ -45,6 +46,7 @@ class Job:
 
     request: GenRequest
     sink: Callable[[Event], None]
+    client: Hashable = None  # who sent it (see edgespec.server.isolation)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -55,12 +57,15 @@ class Worker:
         engine: the loaded Engine (the worker owns it while running; it does not close it).
         max_waiting: most requests waiting behind the running one; beyond that `submit` raises a
             503 ApiError with Retry-After.
+        isolation: what one client's requests may learn from another's (default: global, one
+            client: every cache and the history shared).
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 8) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 8, isolation: Isolation | None = None) -> None:
         if max_waiting < 0:
             raise EdgespecError(f"the queue size must be >= 0 (got {max_waiting})")
         self.engine = engine
+        self.isolation = isolation or Isolation(engine, "global")
         self.max_waiting = max_waiting
         self.n_done = 0  # generations finished (answered)
         self.n_cancelled = 0  # requests cancelled while waiting or running
@@ -71,8 +76,8 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="edgespec-serve-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, request: GenRequest, sink: Callable[[Event], None]) -> Job:
-        """Queue a generation; its events go to `sink`. Raises ApiError 503 when the queue is full."""
+    def submit(self, request: GenRequest, sink: Callable[[Event], None], client: Hashable = None) -> Job:
+        """Queue `client`'s generation; its events go to `sink`. Raises ApiError 503 when the queue is full."""
         with self._cond:
             if self._closed:
                 raise ApiError(503, "the server is shutting down", kind="server_error")
@@ -80,7 +85,7 @@ class Worker:
                 raise ApiError(503, f"the server is busy ({self.max_waiting} requests already waiting); "
                                     f"retry in {RETRY_AFTER_S} s", kind="server_error", code="server_busy",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            job = Job(request, sink)
+            job = Job(request, sink, client)
             self._waiting.append(job)
             self._cond.notify_all()
             return job
@@ -98,11 +103,18 @@ class Worker:
             elif self._current is job:
                 self.engine.cancel()  # honoured at the top of the engine's next cycle
 
+    def clear_history(self, client: Hashable) -> None:
+        """Forget what `client`'s requests left behind: at once when idle, else around the running one."""
+        self.isolation.request_clear(client)
+        with self._cond:
+            if self._current is None:  # and none starts while the lock is held
+                self.isolation.apply_pending()
+
     def status(self) -> dict[str, Any]:
-        """{"generating": bool, "waiting": n, "done": n, "cancelled": n}."""
+        """{"generating": bool, "waiting": n, "done": n, "cancelled": n, "history": mode, ...}."""
         with self._cond:
             return {"generating": self._current is not None, "waiting": len(self._waiting),
-                    "done": self.n_done, "cancelled": self.n_cancelled}
+                    "done": self.n_done, "cancelled": self.n_cancelled, **self.isolation.status()}
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing runs or waits (True), or `timeout` seconds pass (False)."""
@@ -134,6 +146,7 @@ class Worker:
             try:
                 self._run(job)
             finally:
+                self.isolation.apply_pending()
                 with self._cond:
                     self._current = None
                     self._cond.notify_all()
@@ -142,6 +155,7 @@ class Worker:
         req, engine = job.request, self.engine
         reason = "length"
         try:
+            self.isolation.enter(job.client)
             chunks = (engine.stream_chat(req.messages or [], **req.options) if req.kind == "chat"
                       else engine.stream(req.prompt or "", **req.options))
             with contextlib.closing(chunks):  # closing a stream early leaves the engine consistent
