@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from edgespec.bench import tasks as tasks_mod
+from edgespec.bench.sessions import HERE as SESSIONS_DIR
+from edgespec.bench.sessions import SUITES, load_sessions
 from edgespec.bench.tasks import CATEGORIES, Task, load_tasks
 from edgespec.errors import EdgespecError
 
@@ -115,15 +117,19 @@ def test_missing_and_empty_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 _INSTALLED_SUITE = """
-import collections, json, edgespec.bench.tasks as t
+import collections, json, edgespec.bench.tasks as t, edgespec.bench.sessions as s
 tasks = t.load_tasks()
-print(json.dumps({"file": t.__file__, "counts": collections.Counter(x.category for x in tasks)}))
+sessions = {name: len(s.load_sessions(name)) for name in s.SUITES}
+licenses = sorted(p.name for p in (s.HERE / "licenses").iterdir())
+print(json.dumps({"file": t.__file__, "counts": collections.Counter(x.category for x in tasks),
+                  "sessions": sessions, "licenses": licenses}))
 """
 
 
 # ~5 s here (a wheel build without build isolation), so not marked slow.
 def test_suite_loads_from_an_installed_wheel(tmp_path: Path) -> None:
-    """The suite is package data: a wheel installed away from the checkout loads every category."""
+    """The suites are package data: a wheel installed away from the checkout loads every category of
+    the task suite, both session suites and their sources' licenses."""
     repo, src = Path(__file__).resolve().parents[1], tmp_path / "src"
     # Built from a copy: an in-tree build would write build/ and *.egg-info into the checkout.
     shutil.copytree(repo / "edgespec", src / "edgespec", ignore=shutil.ignore_patterns("__pycache__"))
@@ -143,3 +149,5 @@ def test_suite_loads_from_an_installed_wheel(tmp_path: Path) -> None:
     assert Path(got["file"]).is_relative_to(site)  # the installed copy, not the checkout
     assert set(got["counts"]) == set(CATEGORIES)
     assert got["counts"] == Counter(t.category for t in load_tasks())
+    assert got["sessions"] == {name: len(load_sessions(name)) for name in SUITES}
+    assert got["licenses"] == sorted(p.name for p in (SESSIONS_DIR / "licenses").iterdir())

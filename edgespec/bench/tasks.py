@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from edgespec.errors import EdgespecError
 
@@ -45,7 +45,9 @@ class Task:
     max_tokens: int
 
 
-def _check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
+def check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
+    """`messages` as a tuple of {"role", "content"} dicts, ending with a user turn, or an EdgespecError
+    naming `where` and the problem."""
     if not isinstance(messages, list) or not messages:
         raise EdgespecError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
     out = []
@@ -84,14 +86,19 @@ def _parse_line(line: str, where: str) -> Task:
     for key in ("id", "category", "prompt"):
         if not isinstance(obj[key], str) or not obj[key].strip():
             raise EdgespecError(f"{where}: {key!r} must be a non-empty string (got {obj[key]!r:.60})")
-    max_tokens = obj["max_tokens"]
+    max_tokens = check_max_tokens(obj["max_tokens"], where)
+    messages = check_messages(obj["messages"], where)
+    return Task(obj["id"], obj["category"], messages, obj["prompt"], max_tokens)
+
+
+def check_max_tokens(max_tokens: Any, where: str) -> int:
+    """`max_tokens` if it is an int in MIN_MAX_TOKENS..MAX_MAX_TOKENS, else a one-line EdgespecError."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise EdgespecError(f"{where}: 'max_tokens' must be an integer (got {type(max_tokens).__name__})")
     if not MIN_MAX_TOKENS <= max_tokens <= MAX_MAX_TOKENS:
         raise EdgespecError(f"{where}: 'max_tokens' is {max_tokens}, out of range "
                             f"{MIN_MAX_TOKENS}..{MAX_MAX_TOKENS}")
-    messages = _check_messages(obj["messages"], where)
-    return Task(obj["id"], obj["category"], messages, obj["prompt"], max_tokens)
+    return max_tokens
 
 
 def _files(path: Traversable) -> list[Traversable]:
@@ -128,33 +135,59 @@ def load_tasks(path: str | Path | Traversable | None = None,
         tasks += read_jsonl(file, _parse_line, seen, f"task file {file}", lambda task: f"id {task.id!r}")
     if not tasks:
         raise EdgespecError(f"no tasks in {path}")
-    if categories is not None:
-        wanted = list(dict.fromkeys(categories))
-        present = {t.category for t in tasks}
-        absent = [c for c in wanted if c not in present]
-        if absent:
-            raise EdgespecError(f"no tasks in category {', '.join(map(repr, absent))} "
-                                f"(available: {', '.join(sorted(present))})")
-        tasks = [t for t in tasks if t.category in wanted]
-    return tasks
+    return in_categories(tasks, categories, "tasks")
 
 
-def read_jsonl(file: Path, parse: Callable[[str, str], Task], seen: dict[str, str], what: str,
-               name: Callable[[Task], str]) -> list[Task]:
-    """The tasks of a JSONL file, one per non-blank line (`parse(line, "file:line")`); `seen` maps the
-    ids read so far (across files) to where, so a duplicate is one line naming both places."""
+class _Item(Protocol):  # a Task or a bench.sessions.Session
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def category(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Item)
+
+
+def in_categories(items: list[T], categories: Sequence[str] | None, what: str) -> list[T]:
+    """`items` of those categories (file order kept; None: all); a category with no item is an error
+    naming the available ones (`what`: "tasks", "sessions")."""
+    if categories is None:
+        return items
+    wanted = list(dict.fromkeys(categories))
+    present = {t.category for t in items}
+    absent = [c for c in wanted if c not in present]
+    if absent:
+        raise EdgespecError(f"no {what} in category {', '.join(map(repr, absent))} "
+                            f"(available: {', '.join(sorted(present))})")
+    return [t for t in items if t.category in wanted]
+
+
+def first_per_category(items: Sequence[T], n: int) -> list[T]:
+    """The first `n` items of each category, grouped by category (categories in order of appearance)."""
+    by_cat: dict[str, list[T]] = {}
+    for t in items:
+        if len(group := by_cat.setdefault(t.category, [])) < n:
+            group.append(t)
+    return [t for group in by_cat.values() for t in group]
+
+
+def read_jsonl(file: Path | Traversable, parse: Callable[[str, str], T], seen: dict[str, str], what: str,
+               name: Callable[[T], str]) -> list[T]:
+    """The items (tasks, sessions) of a JSONL file, one per non-blank line (`parse(line, "file:line")`);
+    `seen` maps the ids read so far (across files) to where, so a duplicate is one line naming both places."""
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise EdgespecError(f"cannot read {what}: {err}") from None
-    tasks = []
+    items = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{file}:{n}"
-        task = parse(line, where)
-        if task.id in seen:
-            raise EdgespecError(f"{where}: duplicate {name(task)} (first at {seen[task.id]})")
-        seen[task.id] = where
-        tasks.append(task)
-    return tasks
+        item = parse(line, where)
+        if item.id in seen:
+            raise EdgespecError(f"{where}: duplicate {name(item)} (first at {seen[item.id]})")
+        seen[item.id] = where
+        items.append(item)
+    return items
