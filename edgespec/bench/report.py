@@ -9,11 +9,13 @@ from pathlib import Path
 from edgespec.bench.run import is_fixed_gamma
 
 
-def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict]) -> None:
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, separators=(",", ":")))
+def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict], turns: Sequence[dict] = ()) -> None:
+    """results.json: meta, summary rows, every run, and (sessions) the by-turn rows."""
+    data = {"meta": meta, "summary": summary, "runs": runs, **({"by_turn": list(turns)} if turns else {})}
+    path.write_text(json.dumps(data, separators=(",", ":")))
 
 
-def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> str:
+def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = (), turns: Sequence[dict] = ()) -> str:
     lines = [f"# edgespec bench — {Path(meta['target']).name}", "",
              f"Command: `{meta['command']}`", "",
              f"Machine: {meta['env']['platform']}, {meta['env']['machine']}, {meta['threads']} threads · "
@@ -50,6 +52,7 @@ def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = ()) -> 
                          f"{pred} | {r['peak_rss_mb']:.0f} | {mism} |")
         lines.append("")
         lines += _auto_vs_fixed([r for r in summary if r["temperature"] == temp])
+        lines += _by_turn([r for r in turns if r["temperature"] == temp])
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -66,6 +69,20 @@ def _auto_vs_fixed(rows: Sequence[dict]) -> list[str]:
         if best is not None:
             out.append(f"| {cat} | {a['speedup_median']:.2f} | {best['config']} | {best['speedup_median']:.2f} | "
                        f"**{a['speedup_median'] / best['speedup_median']:.2f}** |")
+    return [*out, ""]
+
+
+def _by_turn(rows: Sequence[dict]) -> list[str]:
+    """Sessions: per config, the median speedup and τ of each turn (a drafter that remembers should
+    gain as a session goes on)."""
+    if not rows:
+        return []
+    turns = sorted({r["turn"] for r in rows})
+    out = ["Sessions, by turn: median speedup (τ) over the sessions' k-th turns", "",
+           "| config | " + " | ".join(f"turn {k}" for k in turns) + " |", "|---|" + "---|" * len(turns)]
+    for config in dict.fromkeys(r["config"] for r in rows):
+        cell = {r["turn"]: f"{r['speedup_median']:.2f} ({r['tau']:.2f})" for r in rows if r["config"] == config}
+        out.append(f"| {config} | " + " | ".join(cell.get(k, "–") for k in turns) + " |")
     return [*out, ""]
 
 

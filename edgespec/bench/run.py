@@ -1,7 +1,9 @@
 """`edgespec bench`: plain decoding vs speculative configs, alternating on the same backend.
 
 For every task and repeat the order is plain, config₁, plain, config₂, …: each speculative run is
-paired with the plain run just before it, so machine drift hits both sides of a ratio alike.
+paired with the plain run just before it, so machine drift hits both sides of a ratio alike. A
+session (bench/sessions) runs turn by turn the same way, per config: plain t1, spec t1, plain t2,
+spec t2, …, its drafter cleared at the session's start only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from edgespec.bench.profile import ideal_speedup_at
+from edgespec.bench.sessions import Session, as_session
 from edgespec.bench.tasks import Task
 from edgespec.drafters.base import DraftCost
 from edgespec.engine import Engine
@@ -54,46 +57,66 @@ class Run:
     cycles: list[tuple[int, int]] = field(default_factory=list)
     plain_tok_per_s: float | None = None  # the paired plain run's speed
     matches_plain: bool | None = None  # greedy only: spec tokens == plain tokens
+    turn: int = 1  # the turn of its session (a single-shot task: 1)
 
 
-def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Config], tasks: Sequence[Task],
-               temperatures: Sequence[float], repeats: int, chat: bool,
+def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Config],
+               tasks: Sequence[Task | Session], temperatures: Sequence[float], repeats: int, chat: bool,
                on_run: Callable[[Run], None] | None = None, plain_engine: Engine | None = None) -> list[Run]:
-    """Run every task × temperature × repeat as plain, config, plain, config, … and return all runs.
-    `drafters` maps Config.drafter to a loaded drafter; the engine's drafter is swapped per config.
-    Plain runs use `plain_engine` when given (a target without feature capture), else `engine`."""
+    """Run every task (or session) × temperature × repeat × config and return all runs: per turn (a
+    single-shot task is a session of one turn) a plain run, then the config's speculative run.
+    `drafters` maps Config.drafter to a loaded drafter; the engine's drafter is swapped per config and
+    starts cold at each session (`start_cold`), so a session's later turns draw on its earlier ones
+    only. Plain runs use `plain_engine` when given (a target without feature capture), else `engine`."""
     runs: list[Run] = []
-    for task in tasks:
+    for session in map(as_session, tasks):
         for temp in temperatures:
             for rep in range(repeats):
                 for cfg in configs:
-                    kw = dict(max_tokens=task.max_tokens, temperature=temp, seed=1000 * rep + 1, num_draft=cfg.k)
-                    plain = run_one(plain_engine or engine, task, kw, chat, speculative=False)
                     engine.drafter = drafters[cfg.drafter]
-                    spec = run_one(engine, task, kw, chat, speculative=True)
-                    for label, (gen, stats) in (("plain", plain), (cfg.label, spec)):
-                        r = _record(task, label, temp, rep, stats)
-                        if label != "plain":
-                            r.plain_tok_per_s = plain[1].tok_per_s
-                            r.matches_plain = gen.tokens == plain[0].tokens if temp == 0 else None
-                        runs.append(r)
-                        if on_run:
-                            on_run(r)
+                    start_cold(engine.drafter)
+                    for k, turn in enumerate(session.turns, 1):
+                        for r in _pair(engine, plain_engine or engine, turn, k, cfg, temp, rep, chat):
+                            runs.append(r)
+                            if on_run:
+                                on_run(r)
     return runs
+
+
+def start_cold(drafter: object) -> None:
+    """Make `drafter` forget every earlier generation: the one place the bench does. A drafter that
+    remembers across generations (HistoryDrafter: earlier contexts in its index) exposes `clear()`;
+    those that look at the current context only (ngram, a draft model, heads: their caches resync by
+    common prefix) have none. The scheduler's record of the pair (Pricing) is kept, as in a server."""
+    clear = getattr(drafter, "clear", None)
+    if clear is not None:
+        clear()
+
+
+def _pair(engine: Engine, plain_engine: Engine, turn: Task, k: int, cfg: Config, temp: float, rep: int,
+          chat: bool) -> tuple[Run, Run]:
+    """One turn decoded plainly, then speculatively with `cfg`: (plain run, speculative run)."""
+    kw = dict(max_tokens=turn.max_tokens, temperature=temp, seed=1000 * rep + 1, num_draft=cfg.k)
+    plain_gen, plain = run_one(plain_engine, turn, kw, chat, speculative=False)
+    spec_gen, spec = run_one(engine, turn, kw, chat, speculative=True)
+    p, s = _record(turn, "plain", temp, rep, k, plain), _record(turn, cfg.label, temp, rep, k, spec)
+    s.plain_tok_per_s = plain.tok_per_s
+    s.matches_plain = spec_gen.tokens == plain_gen.tokens if temp == 0 else None
+    return p, s
 
 
 def run_one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool) -> tuple[Generation, Stats]:
     """One generation of `task` from a cold cache (chat template when `chat`), with `kw` as for
     Engine.generate; returns it and its stats."""
-    engine.reset()  # every run pays its own prompt: no cache carried between configs
+    engine.reset()  # every run pays its own prompt: no cache carried between configs or turns
     gen = (engine.chat(list(task.messages), speculative=speculative, **kw) if chat
            else engine.generate(task.prompt, speculative=speculative, **kw))
     return gen, gen.stats
 
 
-def _record(task: Task, label: str, temp: float, rep: int, s: Stats) -> Run:
+def _record(task: Task, label: str, temp: float, rep: int, turn: int, s: Stats) -> Run:
     return Run(task.id, task.category, label, temp, rep, s.tok_per_s, s.n_tokens, s.tau,
-               s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles))
+               s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles), turn=turn)
 
 
 def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
@@ -147,6 +170,22 @@ def memory_bound_prediction(rs: Sequence[Run]) -> dict:
     tokens = sum(min(n, d) + 1 for d, n in cycles)
     return {"draft_ms_per_token": draft_ms, "draft_cost_vs_t1": c,
             "predicted_memory_bound": tokens / sum(1 + d * c for d, _ in cycles)}
+
+
+def by_turn(runs: Sequence[Run]) -> list[dict]:
+    """Per (config, temperature, turn k of the sessions): n, median speedup and τ over the k-th turns,
+    i.e. how speculation fares as a session's history grows; [] when no run is past a first turn
+    (single-shot tasks)."""
+    if all(r.turn == 1 for r in runs):
+        return []
+    groups: dict[tuple[str, float, int], list[Run]] = {}
+    for r in runs:
+        if r.config != "plain" and r.plain_tok_per_s:
+            groups.setdefault((r.config, r.temperature, r.turn), []).append(r)
+    return [dict(config=config, temperature=temp, turn=turn, n=len(rs),
+                 speedup_median=statistics.median(r.tok_per_s / r.plain_tok_per_s for r in rs),
+                 tau=sum(r.n_tokens for r in rs) / max(1, sum(len(r.cycles) for r in rs)))
+            for (config, temp, turn), rs in sorted(groups.items())]
 
 
 def wasted_per_token(rs: Sequence[Run]) -> float:

@@ -12,7 +12,7 @@ import typer
 from edgespec.cli import ui
 from edgespec.errors import EdgespecError
 
-SUITES = ("shipped", "spec-bench")
+SUITES = ("shipped", "spec-bench", "edit-session", "agent-loop")  # the last two: bench.sessions.SUITES
 
 
 # the options whose help needs more than a line
@@ -30,11 +30,13 @@ _Temps = Annotated[list[float] | None, typer.Option(
 _Tasks = Annotated[str | None, typer.Option("--tasks", help="Your own tasks: a .jsonl file or folder, instead of a "
                                             "--suite.")]
 _Suite = Annotated[str | None, typer.Option(
-    "--suite", help="A built-in task suite: 'shipped' (edgespec/bench/suite, the default) or 'spec-bench' "
-                    "(Spec-Bench's 480 prompts: multi_turn, translation, summarization, qa, math_reasoning, rag). "
-                    "Not with --tasks.")]
+    "--suite", help="A built-in task suite: 'shipped' (edgespec/bench/suite, the default), 'spec-bench' "
+                    "(Spec-Bench's 480 prompts: multi_turn, translation, summarization, qa, math_reasoning, rag), "
+                    "or a session suite, each turn sent to one engine in order (the drafter cleared at each "
+                    "session's start only): 'edit-session' (a file edited turn after turn) or 'agent-loop' "
+                    "(tool calls, BFCL). Not with --tasks.")]
 _PerCategory = Annotated[int, typer.Option("--per-category", min=1, help="Tasks per category (spec-bench: spread "
-                                           "evenly over each category's 80).")]
+                                           "evenly over each category's 80; session suites: sessions).")]
 _Out = Annotated[Path, typer.Option("--out", "-o", help="Folder for results.json, results.md, PNGs.")]
 _Strict = Annotated[bool, typer.Option("--strict/--no-strict", help="Exit 1 if a greedy speculative run differs "
                                        "from plain decoding.")]
@@ -60,11 +62,11 @@ def bench(
     """Benchmark plain vs speculative decoding on the task suite.
 
     Plain decoding vs each speculative config on the task suite (--suite
-    shipped or spec-bench, or your own --tasks), alternating
-    in one process on the same backend; per config and category: tok/s,
-    speedup min/median/max, τ, acceptance by position, time split, peak RSS,
-    greedy mismatches, and efficiency vs the ideal speedup from
-    `edgespec profile`.
+    shipped, spec-bench, edit-session or agent-loop, or your own --tasks),
+    alternating in one process on the same backend; per config and
+    category: tok/s, speedup min/median/max, τ, acceptance by position,
+    time split, peak RSS, greedy mismatches, and efficiency vs the ideal
+    speedup from `edgespec profile`. Session suites: by turn too.
     """
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench.run import Config
@@ -97,8 +99,10 @@ def bench(
 
 def _select(suite: str | None, tasks: str | None, category: list[str] | None, per_category: int,
             max_tokens: int | None) -> list:
-    """The tasks to run: per category at most `per_category`, each capped at `max_tokens`."""
-    import dataclasses
+    """The tasks (or sessions) to run: per category at most `per_category`, each turn capped at `max_tokens`."""
+    from edgespec.bench.sessions import SUITES as SESSION_SUITES
+    from edgespec.bench.sessions import cap_tokens, load_sessions
+    from edgespec.bench.tasks import first_per_category
 
     if suite is not None and suite not in SUITES:
         raise EdgespecError(f"--suite is {suite!r}: expected one of {', '.join(SUITES)}")
@@ -110,25 +114,26 @@ def _select(suite: str | None, tasks: str | None, category: list[str] | None, pe
         from edgespec.bench.spec_bench import load_spec_bench
 
         chosen = load_spec_bench(category, per_category)  # already per_category, spread over each category
+    elif suite in SESSION_SUITES:
+        chosen = load_sessions(suite, category)
     else:
         from edgespec.bench.tasks import load_tasks
 
         chosen = load_tasks(tasks, category)
-    by_cat: dict[str, list] = {}
-    for t in chosen:
-        if len(by_cat.setdefault(t.category, [])) < per_category:
-            by_cat[t.category].append(dataclasses.replace(t, max_tokens=min(t.max_tokens, max_tokens or t.max_tokens)))
-    return [t for ts in by_cat.values() for t in ts]
+    return [cap_tokens(t, max_tokens) for t in first_per_category(chosen, per_category)]
 
 
 def _run(session, configs: list, selected: list, temps: list[float], repeats: int) -> tuple[list, bool, list[str]]:
     """Every run (plain and speculative alternating), whether Ctrl-C cut it short, the greedy mismatches."""
     from edgespec.bench.run import run_matrix
+    from edgespec.bench.sessions import as_session
 
     engine = session.engine
     chat = engine.target.metadata("tokenizer.chat_template") is not None
-    total = len(selected) * len(temps) * repeats * len(configs) * 2
-    ui.status(f"{len(selected)} tasks × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
+    turns = sum(len(as_session(t).turns) for t in selected)
+    total = turns * len(temps) * repeats * len(configs) * 2
+    what = f"{len(selected)} tasks" if turns == len(selected) else f"{len(selected)} sessions ({turns} turns)"
+    ui.status(f"{what} × {len(temps)} temperature(s) × {repeats} repeat(s) × {len(configs)} "
               f"config(s), each paired with a plain run: {total} generations "
               f"({'chat template' if chat else 'plain prompts'})")
     runs, mismatches = [], []
@@ -156,7 +161,7 @@ def _run(session, configs: list, selected: list, temps: list[float], repeats: in
 def _report(session, configs: list, runs: list, meta: dict, out: Path, profile_cmd: str) -> None:
     """results.json, results.md, the plots, and the all-categories table on the terminal."""
     from edgespec.bench import report
-    from edgespec.bench.run import environment, runs_as_dicts, summarize
+    from edgespec.bench.run import by_turn, environment, runs_as_dicts, summarize
     from edgespec.calibration import profile_path
     from edgespec.models import model_sha256
 
@@ -175,12 +180,12 @@ def _report(session, configs: list, runs: list, meta: dict, out: Path, profile_c
     t_fwd = _cached_profile(profile_path(target))
     if t_fwd is None:
         ui.status(f"no cost profile for this target/threads: run `{profile_cmd}` to get efficiency figures")
-    summary = summarize(runs, t_fwd, draft_cost)
+    summary, turns = summarize(runs, t_fwd, draft_cost), by_turn(runs)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta, env=environment(), sha256=sha)
-    report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs))
+    report.write_json(out / "results.json", meta, summary, runs_as_dicts(runs), turns)
     pngs = report.plots(out, summary)
-    (out / "results.md").write_text(report.markdown(meta, summary, pngs))
+    (out / "results.md").write_text(report.markdown(meta, summary, pngs, turns))
     ui.print_table(["config", "temp", "plain tok/s", "spec tok/s", "speedup (min / med / max)", "τ",
                     "wasted verify / token", "mismatches"],
                    [[r["config"], f"{r['temperature']:g}", f"{r['plain_tok_per_s']:.1f}", f"{r['tok_per_s']:.1f}",
