@@ -25,6 +25,11 @@ def test_evaluation_texts_cover_the_bench_suite_and_test_prompts():
     texts = evaluation_texts()
     assert len(texts) > 60  # 60 bench tasks (prompt + messages) and tests/real_prompts.py
     assert any("def fibonacci(n):" in t for t in texts)
+    from edgespec.bench.sessions import load_sessions
+    from edgespec.bench.spec_bench import load_questions
+    held = {load_questions()[-1].prompt, load_sessions("agent-loop")[-1].turns[-1].prompt,
+            load_sessions("edit-session")[0].turns[0].messages[-1]["content"]}
+    assert held <= set(texts)  # Spec-Bench and the session suites are guarded too
 
 
 def test_training_prompts_share_no_8gram_with_evaluation_texts():

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from edgespec.bench.sessions import SUITES, load_sessions
+from edgespec.bench.spec_bench import load_questions
 from edgespec.bench.tasks import load_tasks
 
 NGRAM = 8
@@ -35,10 +37,13 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
 
 
 def evaluation_texts(repo: Path = _REPO) -> list[str]:
-    """Texts training must never contain: every task of the shipped bench suite (prompt and messages)
-    and, in a source checkout, ``repo``/tests/real_prompts.py."""
+    """Texts training must never contain: every task of the shipped bench suite, of Spec-Bench and of
+    the session suites (prompt and messages) and, in a source checkout, ``repo``/tests/real_prompts.py."""
+    tasks = load_tasks() + load_questions()
+    for name in SUITES:
+        tasks += [turn for session in load_sessions(name) for turn in session.turns]
     out: list[str] = []
-    for task in load_tasks():
+    for task in tasks:
         out.append(task.prompt)
         out += [m["content"] for m in task.messages]
     rp = repo / "tests" / "real_prompts.py"
