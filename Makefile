@@ -109,6 +109,24 @@ anchor: models
 	done
 	$(MAKE) --no-print-directory results
 
+# llama-server's own model-free n-gram speculation (ngram-mod, ngram-map-k, ngram-cache) against edgespec
+# serve's history drafter (and both plain), on the session suites, one server at a time, 2 rounds in
+# alternating order (bench/anchors/README.md). llama-server is built outside the repository the first time
+# (~7 min here). F32 target: the bandwidth-bound regime; Q4_1 (smollm2): compute-bound. Writes
+# bench/results/server-anchor/<model>-<suite>.json. Run on an idle machine.
+ANCHOR_SERVER_ARGS ?= --rounds 2
+ANCHOR_SERVER_MODELS := smollm2-f32:SmolLM2-135M-Instruct.F32.gguf smollm2:SmolLM2-135M-Instruct.Q4_1.gguf
+.PHONY: anchor-server
+anchor-server: models
+	@set -e; bench/anchors/build.sh llama-server > /dev/null; M=$${EDGESPEC_HOME:-$$HOME/.cache/edgespec}/models; \
+	mkdir -p bench/results/server-anchor; \
+	for model in $(ANCHOR_SERVER_MODELS); do \
+	  for suite in edit-session agent-loop; do \
+	    $(BIN)/python bench/anchors/server_anchor.py --target $$M/$${model#*:} --suite $$suite $(ANCHOR_SERVER_ARGS) \
+	      --out bench/results/server-anchor/$${model%%:*}-$$suite.json; \
+	  done; \
+	done
+
 # bench/RESULTS.md, assembled from the result folders `make bench` and `make anchor` write (runs
 # nothing; a folder that is missing is left out): every pair's results.md, then the Spec-Bench
 # pairs', then the paired native anchors. Nothing else goes into RESULTS.md: analyses and one-off
