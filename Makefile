@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models converter demo test test-fast lint bench anchor results heads clean
+.PHONY: install models converter demo test test-fast lint bench bench-history anchor results heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,21 @@ bench: models
 	done
 	$(MAKE) --no-print-directory results
 
+# The history drafter against ngram (#33), both -k auto, in both regimes (an F32 and a Q4 target),
+# greedy: the session suites (each session cold at its start, history carried across its turns),
+# Spec-Bench and the shipped suite (each run cold); then its index memory and drafting time at 1M
+# tokens. ~75 min here. Writes bench/results/history/<target>-<suite>/ and bench/results/history-cost/.
+HISTORY_TARGETS := smollm2-f32 smollm2
+HISTORY_SUITES := edit-session:6 agent-loop:6 spec-bench:2 shipped:2
+bench-history: models
+	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
+	@set -e; for t in $(HISTORY_TARGETS); do for s in $(HISTORY_SUITES); do \
+	  $(BIN)/edgespec bench --target $$t --drafter history --drafter ngram -k auto --suite $${s%%:*} \
+	    --per-category $${s#*:} --temp 0 --ctx 4096 --no-strict --out bench/results/history/$$t-$${s%%:*}; \
+	done; done
+	$(BIN)/python bench/history_cost.py --out bench/results/history-cost
+	$(MAKE) --no-print-directory results
+
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
 # outside the repository, ~10 min the first time), each task's native runs followed by edgespec
 # -k auto on the same pair (paired ratios): bench/results/<pair>/native_anchor.json, then
@@ -144,6 +159,12 @@ results:
 	  sed -e "s|^# |## Spec-Bench, $$name: |" -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|](results/spec-bench/$$name/\1)|" \
 	    bench/results/spec-bench/$$name/results.md >> $$out; \
 	done; \
+	for t in $(HISTORY_TARGETS); do for s in $(HISTORY_SUITES); do \
+	  d=bench/results/history/$$t-$${s%%:*}; [ -f $$d/results.md ] || continue; \
+	  sed -e "s|^# edgespec bench — |## History vs ngram ($${s%%:*}): |" -e 's|^## temperature|### temperature|' \
+	    -e "s|](\([a-z_0-9.]*\.png\))|]($${d#bench/}/\1)|" $$d/results.md >> $$out; \
+	done; done; \
+	[ ! -f bench/results/history-cost/results.md ] || sed -e 's|^# |## |' bench/results/history-cost/results.md >> $$out; \
 	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> $$out; \
 	printf 'Each (task, repeat): native at every n-max, then edgespec `-k auto` on the same pair, back to back\n(`bench/anchors/native.py --edgespec-auto`; table: `python -m edgespec.bench.anchor_compare FILE`).\n\n' >> $$out; \
 	for pair in $(ANCHOR_PAIRS); do \

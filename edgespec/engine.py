@@ -218,8 +218,9 @@ class Engine(Generating):
                     draft = self.drafter.draft(context, gamma, params, rng)
             finally:
                 context.pop()
-        x = draft.tokens[:gamma]  # x̃₁..x̃γ
-        q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
+            draft = self._through_end(draft.head(gamma))
+        x = draft.tokens  # x̃₁..x̃γ
+        q = draft.q  # (γ, V) or None (one-hot)
         t1 = time.perf_counter()
         if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
             self.target.checkpoint()
@@ -244,6 +245,13 @@ class Engine(Generating):
             sched.emitted([*x[:n], token], rows)
         stats.record_cycle(len(x), n, t3 - t0, plan, (t1 - t0, t2 - t1, rollback, time.perf_counter() - t2))
         return [*x[:n], token], n
+
+    def _through_end(self, draft: Draft) -> Draft:
+        """The draft up to its first end-of-generation token: what follows one can never be
+        emitted, so verifying it only costs (a history drafter copies past a reply's end into
+        what came next). Lossless: verification of the positions kept is the same either way."""
+        end = next((i for i, t in enumerate(draft.tokens) if self.target.is_eog(t)), None)
+        return draft if end is None else draft.head(end + 1)
 
     def _verify_pass(self, tokens: list[int], greedy: bool = False) -> np.ndarray:
         """All logit rows for `tokens` (greedy: their argmax ids), in forwards no longer than the

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -257,8 +257,7 @@ class Scheduler:
         else:
             g = len(d.tokens)
             tokens = 1.0 + sum(self._survival(d.confidence, g)[:g])
-        d = replace(d, tokens=d.tokens[:g], q=None if d.q is None else d.q[:g],
-                    confidence=None if d.confidence is None else d.confidence[:g])
+        d = d.head(g)
         seconds += time.perf_counter() - t1
         ms = t_draft[self._drafted] + t_verify[g + 1] + expected_rollback(
             self._survival(d.confidence, g), g, self._rollback)

@@ -95,6 +95,33 @@ def test_eos_stops_and_is_not_emitted():
         assert o.finish_reason in ("eos", "length")
 
 
+def test_drafts_are_verified_up_to_their_first_end_token_only():
+    """Nothing after an end-of-generation token can be emitted: the engine does not verify it."""
+    from edgespec.drafters.base import Draft
+
+    class EndsEarly:  # always drafts the end token, then more
+        name, paths = "ends-early", ()
+
+        def draft(self, context, gamma, params, rng, stop=None):
+            return Draft([2, 3, 4, 5][:gamma])
+
+        def cost_prior(self, note=None):
+            return None
+
+        def reset(self):
+            pass
+
+        def close(self):
+            pass
+
+    target = ReferenceBackend(6, seed=5, eos_id=2)
+    spec = Engine(target, EndsEarly(), num_draft=4).generate("abcab", max_tokens=40, temperature=0)
+    plain = Engine(ReferenceBackend(6, seed=5, eos_id=2), None).generate("abcab", max_tokens=40, temperature=0)
+    assert spec.tokens == plain.tokens
+    drafted = [d for d, _ in spec.stats.cycles]
+    assert 1 in drafted and max(drafted) == 1  # [2] only, never [2, 3, 4, 5] (0: the last step, at max_tokens)
+
+
 def test_stop_strings_cut_the_text():
     engine = _engine()
     full = engine.generate("abcab", max_tokens=60, temperature=1.0, seed=3)

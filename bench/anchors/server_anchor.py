@@ -36,28 +36,26 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from server_report import EDGESPEC, LLAMA, PLAIN, markdown, summarise, text_mismatches  # noqa: E402
 
 BIN_NAME = "llama-server"
 SUITES = ("edit-session", "agent-loop", "spec-bench")
-SESSION_FILES = {"edit-session": "edit_session.jsonl", "agent-loop": "agent_loop.jsonl"}
 DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache")
-LLAMA, EDGESPEC = "llama-server", "edgespec"
-PLAIN = {LLAMA: "llama:plain", EDGESPEC: "edgespec:plain"}
-ALL = "all"  # the category row over every request of a suite
 
 
 def log(msg: str) -> None:
@@ -153,48 +151,6 @@ def _cap(max_tokens: int, cap: int | None) -> int:
     return max_tokens if cap is None else min(max_tokens, cap)
 
 
-def read_sessions_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """A session JSONL file (edgespec/bench/sessions format) read directly, without edgespec's loader:
-    one {"id", "category", "turns": [{"messages", "max_tokens"}, ...]} object per line."""
-    sessions = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise AnchorError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not all(k in obj for k in ("id", "category", "turns")):
-                raise AnchorError(f"{where}: a session needs 'id', 'category' and 'turns'")
-            turns = obj["turns"]
-            if not isinstance(turns, list) or not turns:
-                raise AnchorError(f"{where}: 'turns' must be a non-empty list")
-            out = []
-            for k, t in enumerate(turns, 1):
-                if not isinstance(t, dict) or not isinstance(t.get("messages"), list) or not t["messages"] \
-                        or not isinstance(t.get("max_tokens"), int) or t["max_tokens"] < 1:
-                    raise AnchorError(f"{where}: turns[{k - 1}] needs a non-empty 'messages' list and 'max_tokens' >= 1")
-                out.append({"messages": [{"role": m["role"], "content": m["content"]} for m in t["messages"]],
-                            "max_tokens": t["max_tokens"]})
-            sessions.append({"id": str(obj["id"]), "category": str(obj["category"]), "turns": out})
-    if not sessions:
-        raise AnchorError(f"no sessions in {path}")
-    return sessions
-
-
-def _edgespec_sessions(suite: str) -> list[dict[str, Any]] | None:
-    """The suite through edgespec.bench.sessions' loader (validated), or None when it is not there."""
-    try:
-        from edgespec.bench.sessions import load_sessions
-    except ImportError:
-        return None
-    return [{"id": s.id, "category": s.category,
-             "turns": [{"messages": [dict(m) for m in t.messages], "max_tokens": t.max_tokens} for t in s.turns]}
-            for s in load_sessions(suite)]
-
-
 def load_suite(suite: str, max_sessions: int | None = None, max_tokens_cap: int | None = None,
                per_category: int = 2, path: str | Path | None = None) -> list[dict[str, Any]]:
     """One suite's request sequence: sessions in file order, each {"id", "category", "turns": [{"messages",
@@ -203,20 +159,20 @@ def load_suite(suite: str, max_sessions: int | None = None, max_tokens_cap: int 
     `path` reads a session JSONL file instead of the vendored suite."""
     if suite not in SUITES:
         raise AnchorError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
-    if path is not None:
-        sessions = read_sessions_jsonl(path)
-    elif suite == "spec-bench":
+    if suite == "spec-bench" and path is None:
         from edgespec.bench.spec_bench import load_spec_bench
         sessions = [{"id": t.id, "category": t.category,
                      "turns": [{"messages": [dict(m) for m in t.messages], "max_tokens": t.max_tokens}]}
                     for t in load_spec_bench(per_category=per_category)]
     else:
+        from edgespec.bench.sessions import load_sessions
         try:
-            sessions = _edgespec_sessions(suite)
+            sessions = [{"id": x.id, "category": x.category,
+                         "turns": [{"messages": [dict(m) for m in t.messages], "max_tokens": t.max_tokens}
+                                   for t in x.turns]}
+                        for x in load_sessions(suite if path is None else Path(path))]
         except Exception as e:  # noqa: BLE001 - the loader's one-line error (EdgespecError)
             raise AnchorError(f"{suite}: {e}") from None
-        if sessions is None:
-            sessions = read_sessions_jsonl(REPO / "edgespec" / "bench" / "sessions" / SESSION_FILES[suite])
     if max_sessions is not None:
         sessions = sessions[:max_sessions]
     return [{**s, "turns": [{**t, "max_tokens": _cap(t["max_tokens"], max_tokens_cap)} for t in s["turns"]]}
@@ -470,145 +426,6 @@ def record(cfg: Config, suite: str, round_index: int, request: str, category: st
         "completion_tokens": (resp.get("usage") or {}).get("completion_tokens"),
         "wall_s": wall_s, "text": text, "has_timings": bool(tm),
     }
-
-
-def _median(xs: Iterable[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _key(r: dict[str, Any]) -> tuple[str, str, int]:
-    return r["suite"], r["request"], r["round"]
-
-
-def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per (config, suite, category), categories plus ALL:
-
-    tok_per_s      median of the requests' own predicted_per_second (requests without a speed left out)
-    pooled_tok_per_s  Σ tokens ÷ Σ decode seconds over the group (llama-server: first tokens not counted)
-    speedup        median over (request, round) of tok/s ÷ the same implementation's plain tok/s
-    acceptance     Σ draft_n_accepted ÷ Σ draft_n;  tau: median of the requests' τ
-    vs_best_llama  (edgespec spec configs) median over (request, round) of tok/s ÷ the tok/s of the
-                   llama-server n-gram type with the highest median tok/s in that (suite, category)
-    vs_llama_plain (every config) median of tok/s ÷ llama:plain's tok/s
-    """
-    by_cfg_key = {(r["config"], *_key(r)): r for r in records}
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    impl_of = {r["config"]: (r["impl"], r["spec"]) for r in records}
-    for r in records:
-        for cat in (r["category"], ALL):
-            groups.setdefault((r["config"], r["suite"], cat), []).append(r)
-
-    def speed(r: dict[str, Any] | None) -> float | None:
-        return r["tok_per_s"] if r is not None and r["tok_per_s"] > 0 else None
-
-    def ratios(rows: list[dict[str, Any]], other: str) -> list[float]:
-        out = []
-        for r in rows:
-            a, b = speed(r), speed(by_cfg_key.get((other, *_key(r))))
-            if a is not None and b is not None:
-                out.append(a / b)
-        return out
-
-    rows: list[dict[str, Any]] = []
-    for (cfg, suite, cat), rs in groups.items():
-        impl, spec = impl_of[cfg]
-        speeds = [s for s in map(speed, rs) if s is not None]
-        dn = sum(r["draft_n"] or 0 for r in rs)
-        da = sum(r["draft_n_accepted"] or 0 for r in rs)
-        toks = sum(max((r["predicted_n"] or 0) - (1 if impl == LLAMA else 0), 0) for r in rs if r["predicted_ms"])
-        ms = sum(r["predicted_ms"] or 0.0 for r in rs)
-        plain = PLAIN[impl]
-        sp = ratios(rs, plain) if spec and any(c == plain for c, *_ in by_cfg_key) else []
-        vlp = ratios(rs, PLAIN[LLAMA]) if cfg != PLAIN[LLAMA] else []
-        rows.append({
-            "config": cfg, "impl": impl, "spec": spec, "suite": suite, "category": cat,
-            "n_requests": len(rs), "n_timed": len(speeds),
-            "tok_per_s": _median(speeds), "pooled_tok_per_s": toks / (ms / 1000) if ms > 0 else None,
-            "speedup": _median(sp), "n_pairs": len(sp),
-            "acceptance": da / dn if dn else None, "draft_n": dn, "draft_n_accepted": da,
-            "tau": _median(r["tau"] for r in rs), "vs_llama_plain": _median(vlp),
-        })
-    best = best_llama_types(rows)
-    for row in rows:
-        if row["impl"] == EDGESPEC and row["spec"]:
-            b = best.get((row["suite"], row["category"]))
-            row["best_llama"] = b
-            if b is not None:
-                row["vs_best_llama"] = _median(ratios(groups[(row["config"], row["suite"], row["category"])], b))
-    order = {c: i for i, c in enumerate(dict.fromkeys(r["config"] for r in records))}
-    rows.sort(key=lambda r: (r["suite"], r["category"] == ALL, r["category"], order[r["config"]]))
-    return {"rows": rows, "best_llama": {f"{s}/{c}": b for (s, c), b in sorted(best.items())}}
-
-
-def best_llama_types(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], str]:
-    """(suite, category) -> the llama-server speculative config with the highest median tok/s there."""
-    best: dict[tuple[str, str], tuple[float, str]] = {}
-    for r in rows:
-        if r["impl"] == LLAMA and r["spec"] and r["tok_per_s"] is not None:
-            k = (r["suite"], r["category"])
-            if k not in best or r["tok_per_s"] > best[k][0]:
-                best[k] = (r["tok_per_s"], r["config"])
-    return {k: v[1] for k, v in best.items()}
-
-
-def first_difference(a: str, b: str) -> int:
-    i = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        i += 1
-    return i
-
-
-def text_mismatches(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Greedy texts that differ, per (suite, request, round): llama:plain vs edgespec:plain (the
-    implementations; template or tokenization differences may show here), and every speculative
-    config vs its own implementation's plain server (speculation must not change greedy text)."""
-    by = {(r["config"], *_key(r)): r for r in records}
-    pairs = [(PLAIN[LLAMA], PLAIN[EDGESPEC])]
-    pairs += sorted({(PLAIN[r["impl"]], r["config"]) for r in records if r["spec"]})
-    out = []
-    for a, b in pairs:
-        for (cfg, suite, request, rnd), ra in sorted(by.items()):
-            if cfg != a:
-                continue
-            rb = by.get((b, suite, request, rnd))
-            if rb is None or ra["text"] == rb["text"]:
-                continue
-            i = first_difference(ra["text"], rb["text"])
-            out.append({"a": a, "b": b, "suite": suite, "request": request, "round": rnd, "at_char": i,
-                        "a_text": ra["text"][max(0, i - 20): i + 40], "b_text": rb["text"][max(0, i - 20): i + 40],
-                        "a_len": len(ra["text"]), "b_len": len(rb["text"])})
-    return out
-
-
-def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
-
-
-def markdown(summary: dict[str, Any], mismatches: Sequence[dict[str, Any]], rounds: int) -> str:
-    """The summary as markdown tables, one per suite."""
-    out: list[str] = []
-    suites = list(dict.fromkeys(r["suite"] for r in summary["rows"]))
-    for suite in suites:
-        out += [f"### {suite} (medians over requests × {rounds} round{'s' if rounds != 1 else ''})", "",
-                "| category | config | n | tok/s | speedup vs own plain | acceptance | τ | ÷ llama plain | "
-                "÷ best llama n-gram |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in (r for r in summary["rows"] if r["suite"] == suite):
-            cross = "–"
-            if r.get("vs_best_llama") is not None:
-                cross = f"**{r['vs_best_llama']:.2f}** ({r['best_llama'].removeprefix('llama:')})"
-            out.append(f"| {r['category']} | {r['config']} | {r['n_timed']} | {_fmt(r['tok_per_s'])} | "
-                       f"{_fmt(r['speedup'], '.2f')} | {_fmt(r['acceptance'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
-                       f"{_fmt(r['vs_llama_plain'], '.2f')} | {cross} |")
-        out.append("")
-    n_impl = sum(1 for m in mismatches if m["a"] == PLAIN[LLAMA] and m["b"] == PLAIN[EDGESPEC])
-    n_spec = len(mismatches) - n_impl
-    out.append(f"Greedy text mismatches: llama:plain vs edgespec:plain {n_impl}; speculative vs own plain {n_spec} "
-               "(details: the JSON's `mismatches`).")
-    return "\n".join(out)
 
 
 # -- environment ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ for the call (no O(context) copy per cycle): read it, copy what you keep, never 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +30,11 @@ class Draft:
     confidence: list[float] | None = None
     synced: int = 0  # context tokens the drafter evaluated to catch up before drafting
     support: int | None = None  # n-gram drafters: how many context tokens the match they copy spans
+
+    def head(self, n: int) -> Draft:
+        """The first n tokens of this draft (their q rows and confidences with them)."""
+        return replace(self, tokens=self.tokens[:n], q=None if self.q is None else self.q[:n],
+                       confidence=None if self.confidence is None else self.confidence[:n])
 
 
 def confidence(logits: npt.NDArray[np.float32], q: npt.NDArray[np.float64] | None) -> float:
