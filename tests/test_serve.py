@@ -293,7 +293,7 @@ def test_the_cli_serves_and_stops_on_ctrl_c(tiny_target: Path) -> None:
     port = _free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli.app", "serve", "--target", str(tiny_target),
-                             "--drafter", "ngram", "-k", "3", "--ctx", "512", "--threads", "1", "--port", str(port),
+                             "-k", "3", "--ctx", "512", "--threads", "1", "--port", str(port),
                              "--api-key", KEY, "--temp", "0"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -313,3 +313,4 @@ def test_the_cli_serves_and_stops_on_ctrl_c(tiny_target: Path) -> None:
         proc.kill()
     assert proc.returncode == 0, err
     assert "Traceback" not in err and f"127.0.0.1:{port}/v1" in err and "stopped" in err
+    assert "drafter: history, history: session" in err  # the server's defaults

@@ -11,7 +11,7 @@ from edgespec.cli.options import RunOptions, run_options
 _PANEL = "Server"
 
 
-@run_options(temp=0.7, max_tokens=4096)
+@run_options(temp=0.7, max_tokens=4096, drafter="history")
 def serve(
     opts: RunOptions,
     host: Annotated[str, typer.Option(
@@ -38,7 +38,9 @@ def serve(
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models
     and /health. One generation at a time, the others wait in a bounded queue. The
-    sampling flags are the defaults for requests that omit those fields. Ctrl-C stops.
+    sampling flags are the defaults for requests that omit those fields. The default
+    drafter is 'history' (it also drafts from earlier requests: see --history).
+    Ctrl-C stops.
     """
     from edgespec.server import Defaults
     from edgespec.server.runner import import_uvicorn

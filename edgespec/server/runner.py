@@ -144,14 +144,15 @@ class Server:
         self.stop()
 
 
-def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | None = "ngram", *,
+def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | None = "history", *,
           host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | Sequence[str] | None = None,
           queue: int = DEFAULT_QUEUE, history: str = "auto", defaults: Defaults | None = None,
           engine: Engine | None = None, access_log: bool = False, **load_options: Any) -> None:
     """Serve a model over the OpenAI HTTP API until interrupted (`edgespec serve` in Python).
 
     Args:
-        target, drafter: as for `edgespec.load` (ignored when `engine` is given).
+        target, drafter: as for `edgespec.load` (ignored when `engine` is given); the drafter defaults
+            to "history" here (lookup in earlier requests too: docs/history.md), "ngram" there.
         host: where to listen; anything but loopback logs a warning.
         port: TCP port.
         api_key: Bearer key (or keys, one per client) required on every endpoint but /health.
