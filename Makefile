@@ -165,6 +165,10 @@ results:
 	    -e "s|](\([a-z_0-9.]*\.png\))|]($${d#bench/}/\1)|" $$d/results.md >> $$out; \
 	done; done; \
 	[ ! -f bench/results/history-cost/results.md ] || sed -e 's|^# |## |' bench/results/history-cost/results.md >> $$out; \
+	for f in bench/results/server-anchor/*.json; do [ -f $$f ] || continue; \
+	  printf '\n## Anchor: llama-server n-gram types vs edgespec serve (%s)\n\n' $$(basename $$f .json) >> $$out; \
+	  $$py bench/anchors/server_report.py $$f | sed -e 's|^### |### |' >> $$out; \
+	done; \
 	printf '\n## Anchor: native llama.cpp llama-speculative-simple (greedy, same tasks and tokens)\n\n' >> $$out; \
 	printf 'Each (task, repeat): native at every n-max, then edgespec `-k auto` on the same pair, back to back\n(`bench/anchors/native.py --edgespec-auto`; table: `python -m edgespec.bench.anchor_compare FILE`).\n\n' >> $$out; \
 	for pair in $(ANCHOR_PAIRS); do \

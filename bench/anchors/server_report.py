@@ -150,3 +150,23 @@ def markdown(summary: dict[str, Any], mismatches: Sequence[dict[str, Any]], roun
     out.append(f"Greedy text mismatches: llama:plain vs edgespec:plain {n_impl}; speculative vs own plain {n_spec} "
                "(details: the JSON's `mismatches`).")
     return "\n".join(out)
+
+
+def report(path: str) -> str:
+    """A result file of server_anchor.py as markdown: its command line, then the tables."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    args, env = result["meta"]["args"], result["meta"]["environment"]
+    suites = " ".join(f"--suite {s}" for s in args["suite"])
+    head = (f"`.venv/bin/python bench/anchors/server_anchor.py --target {args['target'].rsplit('/', 1)[-1]} "
+            f"{suites} --rounds {args['rounds']}` ({env['date']}, {env['cpus']} CPUs, edgespec "
+            f"{env['edgespec_commit'][:7]}, llama-server {env['llama_server_version'][0].removeprefix('version: ')}).\n\n")
+    return head + markdown(result["summary"], result["mismatches"], args["rounds"])
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(report(sys.argv[1]))
