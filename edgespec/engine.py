@@ -220,7 +220,7 @@ class Engine(Generating):
                 context.pop()
             draft = self._through_end(draft.head(gamma))
         x = draft.tokens  # x̃₁..x̃γ
-        q = draft.q  # (γ, V) or None (one-hot)
+        q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)
         t1 = time.perf_counter()
         if x:  # a recurrent target can come back from here only (a no-op for a KV cache)
             self.target.checkpoint()

@@ -75,17 +75,29 @@ def json_object(line: str, where: str) -> dict[str, Any]:
     return obj
 
 
-def _parse_line(line: str, where: str) -> Task:
-    obj = json_object(line, where)
-    missing = [k for k in _KEYS if k not in obj]
+def check_keys(obj: dict[str, Any], required: Sequence[str], allowed: Sequence[str], where: str) -> None:
+    """An EdgespecError naming `where` if `obj` lacks a required key or has one not allowed."""
+    missing = [k for k in required if k not in obj]
     if missing:
         raise EdgespecError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
-    unknown = sorted(set(obj) - set(_KEYS))
+    unknown = sorted(set(obj) - set(allowed))
     if unknown:
-        raise EdgespecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(_KEYS)})")
+        raise EdgespecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(allowed)})")
+
+
+def check_text(obj: dict[str, Any], key: str, where: str) -> str:
+    """obj[key], which must be a non-empty string (an EdgespecError naming `where` otherwise)."""
+    value = obj[key]
+    if not isinstance(value, str) or not value.strip():
+        raise EdgespecError(f"{where}: {key!r} must be a non-empty string (got {value!r:.60})")
+    return value
+
+
+def _parse_line(line: str, where: str) -> Task:
+    obj = json_object(line, where)
+    check_keys(obj, _KEYS, _KEYS, where)
     for key in ("id", "category", "prompt"):
-        if not isinstance(obj[key], str) or not obj[key].strip():
-            raise EdgespecError(f"{where}: {key!r} must be a non-empty string (got {obj[key]!r:.60})")
+        check_text(obj, key, where)
     max_tokens = check_max_tokens(obj["max_tokens"], where)
     messages = check_messages(obj["messages"], where)
     return Task(obj["id"], obj["category"], messages, obj["prompt"], max_tokens)

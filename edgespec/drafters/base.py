@@ -32,7 +32,10 @@ class Draft:
     support: int | None = None  # n-gram drafters: how many context tokens the match they copy spans
 
     def head(self, n: int) -> Draft:
-        """The first n tokens of this draft (their q rows and confidences with them)."""
+        """The first n tokens of this draft (their q rows and confidences with them); itself when
+        it has no more (the engine cuts every cycle's draft: no copy when nothing is cut)."""
+        if n >= len(self.tokens):
+            return self
         return replace(self, tokens=self.tokens[:n], q=None if self.q is None else self.q[:n],
                        confidence=None if self.confidence is None else self.confidence[:n])
 

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from edgespec.bench.tasks import (
     Task,
+    check_keys,
     check_max_tokens,
     check_messages,
+    check_text,
     in_categories,
     json_object,
     read_jsonl,
@@ -78,38 +80,22 @@ def plain_prompt(messages: Sequence[dict[str, str]]) -> str:
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
-def _text(obj: dict, key: str, where: str) -> str:
-    value = obj[key]
-    if not isinstance(value, str) or not value.strip():
-        raise EdgespecError(f"{where}: {key!r} must be a non-empty string (got {value!r:.60})")
-    return value
-
-
-def _keys(obj: dict, required: Sequence[str], allowed: Sequence[str], where: str) -> None:
-    missing = [k for k in required if k not in obj]
-    if missing:
-        raise EdgespecError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
-    unknown = sorted(set(obj) - set(allowed))
-    if unknown:
-        raise EdgespecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(allowed)})")
-
-
 def _turn(obj: Any, sid: str, category: str, k: int, where: str) -> tuple[Task, str | None]:
     where = f"{where}: turns[{k - 1}]"
     if not isinstance(obj, dict):
         raise EdgespecError(f"{where} must be an object with 'messages' and 'max_tokens'")
-    _keys(obj, _TURN_KEYS[:2], _TURN_KEYS, where)
+    check_keys(obj, _TURN_KEYS[:2], _TURN_KEYS, where)
     messages = check_messages(obj["messages"], where)
     max_tokens = check_max_tokens(obj["max_tokens"], where)
-    expected = _text(obj, "expected", where) if "expected" in obj else None
+    expected = check_text(obj, "expected", where) if "expected" in obj else None
     return Task(f"{sid}/t{k}", category, messages, plain_prompt(messages), max_tokens), expected
 
 
 def parse_session(line: str, where: str) -> Session:
     """One JSONL line as a Session, or an EdgespecError naming `where` (file:line) and the problem."""
     obj = json_object(line, where)
-    _keys(obj, _KEYS, _KEYS, where)
-    sid, category, source = (_text(obj, k, where) for k in ("id", "category", "source"))
+    check_keys(obj, _KEYS, _KEYS, where)
+    sid, category, source = (check_text(obj, k, where) for k in ("id", "category", "source"))
     if "/" in sid:
         raise EdgespecError(f"{where}: 'id' must not contain '/' (turn ids are ID/tK; got {sid!r})")
     turns = obj["turns"]
