@@ -17,6 +17,7 @@ import numpy as np
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile
 from edgespec.drafters.base import Draft, Drafter, reusable_prefix
+from edgespec.drafters.chain import ChainScheduler
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.generation import Chunk, Generating, cut
 from edgespec.pricing import Pricing
@@ -151,11 +152,10 @@ class Engine(Generating):
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self, ids: list[int], max_tokens: int, params: SamplingParams, rng: np.random.Generator,
-             gamma: int | str, stop: Sequence[str], sched: Scheduler | None) -> Iterator[Chunk]:
+             gamma: int | str, stop: Sequence[str], sched: Scheduler | ChainScheduler | None) -> Iterator[Chunk]:
         stats = self.last_stats = Stats(n_prompt=len(ids))
         if sched is not None:
             sched.new_generation(len(ids), max_tokens)
-            judged = list(sched.judged)
         t0 = time.perf_counter()
         pending = self._prefill(ids, stats)
         t_prefilled = time.perf_counter()
@@ -185,8 +185,7 @@ class Engine(Generating):
             if reason is not None:
                 stats.finish(time.perf_counter() - t_prefilled)
             if reason is not None and sched is not None:  # what the pair showed, for the next engine
-                self.pricing.remember(self.drafter, params.greedy, sched.judged[0] - judged[0],
-                                      sched.judged[1] - judged[1])
+                self.pricing.remember(self.drafter, params.greedy)
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
                 return
@@ -203,7 +202,7 @@ class Engine(Generating):
         return ids[-1]
 
     def _cycle(self, pending: int, gamma: int, params: SamplingParams, rng: np.random.Generator,
-               stats: Stats, sched: Scheduler | None) -> tuple[list[int], int]:
+               stats: Stats, sched: Scheduler | ChainScheduler | None) -> tuple[list[int], int]:
         """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
         Returns (emitted tokens, drafts accepted)."""
         t0, n_cached = time.perf_counter(), len(self._kv)

@@ -15,6 +15,7 @@ from pathlib import Path
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile, pair_path
 from edgespec.drafters.base import DraftCost, Drafter
+from edgespec.drafters.chain import ChainScheduler, DrafterChain, members
 from edgespec.scheduler import CostModel, Scheduler
 
 MIN_CHUNK = 4  # the smallest verification split worth making (see Pricing.chunk)
@@ -32,6 +33,7 @@ class Pricing:
         self.ctx_ms = 0.0  # what each cached token adds to each verified token's time (ms)
         self.draft_cost: dict[Drafter, DraftCost | None] = {}
         self._schedulers: dict[tuple[Drafter, bool], Scheduler] = {}
+        self._chains: dict[tuple[Drafter, bool], ChainScheduler] = {}
 
     @property
     def chunk(self) -> int | None:
@@ -60,8 +62,9 @@ class Pricing:
             self.t_forward = calibrate(self.target, note=note, chunk=self.chunk)
             self.ctx_ms = context_cost(self.target, chunk=self.chunk, note=note)
             self.target.truncate(0)
-        if drafter is not None and drafter not in self.draft_cost:
-            self.draft_cost[drafter] = drafter.cost_prior(note=note)
+        for d in members(drafter):  # a chain is priced member by member
+            if d not in self.draft_cost:
+                self.draft_cost[d] = d.cost_prior(note=note)
 
     @property
     def costs(self) -> CostProfile | None:
@@ -74,9 +77,15 @@ class Pricing:
         return CostProfile(t.path, "", t.name, backend_version(t), t.threads, dict(self.t_forward),
                            exact_batch=self.exact, context_ms=self.ctx_ms)
 
-    def scheduler(self, drafter: Drafter, greedy: bool) -> Scheduler:
+    def scheduler(self, drafter: Drafter, greedy: bool) -> Scheduler | ChainScheduler:
         """The scheduler for this drafter and sampling mode (acceptance differs with temperature);
-        it keeps what it learned across generations, and starts from what the pair showed before."""
+        it keeps what it learned across generations, and starts from what the pair showed before.
+        A chain's is one over its members' own schedulers (drafters.chain)."""
+        if isinstance(drafter, DrafterChain):
+            key = (drafter, greedy)
+            if key not in self._chains:
+                self._chains[key] = ChainScheduler([(m, self.scheduler(m, greedy)) for m in drafter.members])
+            return self._chains[key]
         key = (drafter, greedy)
         if key not in self._schedulers:
             from edgespec.calibration import CONTEXT_TOKENS, load_acceptance
@@ -89,11 +98,14 @@ class Pricing:
             self._schedulers[key] = Scheduler(cost, *(record or (None,)))
         return self._schedulers[key]
 
-    def remember(self, drafter: Drafter, greedy: bool, passed: int, judged: int) -> None:
-        """Keep what one generation showed of this pair's acceptance, for the next engine."""
+    def remember(self, drafter: Drafter, greedy: bool) -> None:
+        """Keep what the generation just ended showed of this pair's acceptance (each chain member's
+        with the target), for the next engine."""
         from edgespec.calibration import save_acceptance
 
-        save_acceptance(self.pair_path(drafter, greedy), passed, judged)
+        for d in members(drafter):
+            if (d, greedy) in self._schedulers:
+                save_acceptance(self.pair_path(d, greedy), *self._schedulers[d, greedy].generation_judged())
 
     def pair_path(self, drafter: Drafter, greedy: bool) -> Path | None:
         """Where what the scheduler learned of this (target, drafter) pair's acceptance is kept."""

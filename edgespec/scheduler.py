@@ -167,6 +167,7 @@ class Scheduler:
     _start: float = 0.5  # the recent first-token hit rate a generation starts from
     _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
     judged: list[float] = field(default_factory=lambda: [0.0, 0.0])  # verified draft positions: [passed, judged]
+    _judged_before: tuple[float, float] = (0.0, 0.0)  # `judged` when the current generation began
 
     def __post_init__(self) -> None:
         self._explore = not self.free and self.potential(EXPLORE_ACCEPTANCE) >= EXPLORE_GAIN
@@ -204,6 +205,20 @@ class Scheduler:
         """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
         return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
 
+    def plan(self, context: int, limit: int) -> tuple[int, float]:
+        """The γ ≤ `limit` this drafter would verify after `context` cached tokens, before drafting
+        (confidences not known yet), and its expected rate in tokens per ms (γ 0: a plain step's)."""
+        t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
+        # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
+        gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, K_MAX - 1, max(SLOW_START, 2 * self.run))],
+                                 t_draft, t_verify, self.cost.t_rollback(context))
+        if gamma and not self.free and self._lag > 1 and self._left is not None and rate > 0:
+            # a drafter that has yet to read the prompt starts only if what the tokens left would
+            # save pays for that reading (a long prompt, a short reply: plain steps)
+            if self.cost.t_catch_up(self._lag) > self._left * (t_verify[1] - 1.0 / rate):
+                gamma = 0
+        return gamma, rate if gamma else 1.0 / t_verify[1]
+
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
         """Draft for one cycle; at most `limit` (< K_MAX) tokens are kept."""
@@ -213,15 +228,8 @@ class Scheduler:
         self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         self._rollback = self.cost.t_rollback(self._context)
-        # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
-        gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, max(SLOW_START, 2 * self.run))],
-                                 t_draft, t_verify, self._rollback)
+        gamma, _ = self.plan(self._context, limit)
         free = self.free
-        if gamma and not free and self._lag > 1 and self._left is not None and rate > 0:
-            # a drafter that has yet to read the prompt starts only if what the tokens left would
-            # save pays for that reading (a long prompt, a short reply: plain steps)
-            if self.cost.t_catch_up(self._lag) > self._left * (t_verify[1] - 1.0 / rate):
-                gamma = 0
         probe = False
         if gamma == 0 and limit > 0 and not free:
             gamma = self._probe_gamma(limit, t_draft, t_verify)
@@ -323,8 +331,13 @@ class Scheduler:
         pays for that)."""
         self._shadows, self.run, self._lag, self._recent = [], 0, n_prompt, self._start
         self._left = max_tokens
+        self._judged_before = (self.judged[0], self.judged[1])
         if self._explore:  # each text starts from the pair's long-run acceptance, not from how the
             self._start_from(self.long_run())  # last one ended: one bad stretch must not switch it off
+
+    def generation_judged(self) -> tuple[float, float]:
+        """Verified draft positions since `new_generation`: (passed, judged), the pair's record."""
+        return self.judged[0] - self._judged_before[0], self.judged[1] - self._judged_before[1]
 
     # -- internals --------------------------------------------------------------------------------
 

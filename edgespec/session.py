@@ -61,7 +61,7 @@ class Plan:
     @property
     def layers(self) -> tuple[int, ...] | None:
         """The target layers the first feature head reads (None: no head, a plain target)."""
-        return next((d.head.layers for d in self.drafters if d.head is not None), None)
+        return next((m.head.layers for d in self.drafters for m in d.parts if m.head is not None), None)
 
 
 def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,

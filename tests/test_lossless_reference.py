@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from edgespec.backends.reference import ReferenceBackend
+from edgespec.drafters.chain import DrafterChain
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
@@ -38,11 +39,21 @@ def fixed_costs(monkeypatch):
 
 
 def _drafters(target: ReferenceBackend):
-    return {"ngram": NgramDrafter(), "draft-model": DraftModelDrafter(target.perturbed(0.8), target.n_vocab)}
+    model = DraftModelDrafter(target.perturbed(0.8), target.n_vocab)
+    return {"ngram": NgramDrafter(), "draft-model": model,
+            # a chain: one-hot n-gram drafts and full-q model drafts verified in the same generations
+            "chain": DrafterChain([NgramDrafter(), DraftModelDrafter(target.perturbed(0.8), target.n_vocab)])}
+
+
+def _both_members_verified(engine: Engine, greedy: bool) -> None:
+    """Under -k auto, a chain's cycles were verified from each member's proposals."""
+    if isinstance(engine.drafter, DrafterChain) and engine.num_draft == "auto":
+        by_member = engine.pricing.scheduler(engine.drafter, greedy).by_member
+        assert set(by_member) == {"ngram", "draft-model"}, by_member
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6, "auto"])
-@pytest.mark.parametrize("kind", ["ngram", "draft-model"])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "chain"])
 def test_greedy_spec_equals_plain_exactly(kind, gamma, request):
     if gamma == "auto":
         request.getfixturevalue("fixed_costs")
@@ -56,6 +67,7 @@ def test_greedy_spec_equals_plain_exactly(kind, gamma, request):
         assert len(spec.tokens) == 128 and spec.finish_reason == "length"
         n_accepted += spec.stats.n_accepted
     assert n_accepted > 0  # speculation actually happened
+    _both_members_verified(engine, greedy=True)
 
 
 def _exact_marginals(target: ReferenceBackend, prompt: list[int], params: SamplingParams, n: int):
@@ -104,7 +116,7 @@ def plain_sampled():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,gamma", [("draft-model", 3), ("ngram", 3), ("draft-model", "auto")])
+@pytest.mark.parametrize("kind,gamma", [("draft-model", 3), ("ngram", 3), ("draft-model", "auto"), ("chain", "auto")])
 def test_sampled_spec_matches_target_distribution(kind, gamma, request, plain_sampled):
     from scipy.stats import chisquare
 
@@ -138,6 +150,7 @@ def test_sampled_spec_matches_target_distribution(kind, gamma, request, plain_sa
     # speculation ran: the spec generations accepted drafts
     s = engine.generate(prompt, max_tokens=64, temperature=0.8, top_p=0.95, seed=0).stats
     assert s.n_drafted > 0
+    _both_members_verified(engine, greedy=False)
 
 
 def test_all_paths_enumeration_is_a_distribution():

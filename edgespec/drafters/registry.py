@@ -39,6 +39,12 @@ class DrafterPlan:
     numbers: tuple[int, ...] = ()  # ngram: N_MAX[, N_MIN]; history: MAX_TOKENS
     corpus: Path | None = None  # history's corpus file
     head: HeadFile | None = None  # a head's header (its target layers, hidden size, vocabulary)
+    members: tuple[DrafterPlan, ...] = ()  # a chain's drafters, in order
+
+    @property
+    def parts(self) -> tuple[DrafterPlan, ...]:
+        """A chain's member plans, or this plan alone."""
+        return self.members or (self,)
 
 
 def plan_model(path: Path, backend: str) -> Path:
@@ -60,6 +66,8 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
     if spec is None or str(spec).lower() == "none":
         return None
     text = str(spec)
+    if "," in text and not Path(text).expanduser().exists():
+        return _plan_chain(text, target, backend)
     if text == "ngram" or text.startswith("ngram:"):
         usage = "use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' with whole numbers (e.g. ngram:4:2)"
         return DrafterPlan(text, "ngram", numbers=_numbers(text, "n-gram", 2, usage))
@@ -82,6 +90,16 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
     from edgespec.models import resolve_model
 
     return DrafterPlan(text, "model", plan_model(resolve_model(str(spec)), backend))
+
+
+def _plan_chain(text: str, target: Path | None, backend: str) -> DrafterPlan:
+    """A chain "A,B[,...]": each member planned as a spec of its own (drafters.chain)."""
+    parts = [p.strip() for p in text.split(",")]
+    if any(not p or p.lower() == "none" for p in parts):
+        raise EdgespecError(f"bad drafter chain {text!r}: name two or more drafters separated by commas "
+                            f"(e.g. ngram,{'SmolLM2-135M-Instruct.Q4_1.gguf'})")
+    members = tuple(plan_drafter(p, target, backend) for p in parts)
+    return DrafterPlan(text, "chain", members=members)  # type: ignore[arg-type]  # none is None
 
 
 def _numbers(text: str, name: str, most: int, usage: str) -> tuple[int, ...]:
@@ -214,5 +232,20 @@ def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImp
     return DraftModelDrafter(model, target.n_vocab)
 
 
+def _chain(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
+    """The members opened in order (a failure closes those opened before it)."""
+    from contextlib import ExitStack
+
+    from edgespec.drafters.chain import DrafterChain
+
+    with ExitStack() as opened:
+        drafters = []
+        for m in plan.members:
+            drafters.append(_DRAFTERS[m.kind](m, target, backend, impl, options))
+            opened.callback(drafters[-1].close)
+        opened.pop_all()
+    return DrafterChain(drafters)
+
+
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
-                                                "model": _draft_model}
+                                                "model": _draft_model, "chain": _chain}

@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Hashable
 
+from edgespec.drafters.chain import members
 from edgespec.drafters.history import HistoryDrafter
 from edgespec.engine import Engine
 from edgespec.errors import EdgespecError
@@ -62,7 +63,7 @@ class Isolation:
         if mode not in MODES[1:]:
             raise EdgespecError(f"isolation mode {mode!r}: expected off, session or global")
         self.engine, self.mode = engine, mode
-        self.history = engine.drafter if isinstance(engine.drafter, HistoryDrafter) else None
+        self.history = next((d for d in members(engine.drafter) if isinstance(d, HistoryDrafter)), None)
         if self.history is not None and mode == "off":
             self.history.remember = False
             self.history.clear()

@@ -1,0 +1,132 @@
+"""Drafter chains: `--drafter ngram,model` (any list of drafter specs) behind one Drafter.
+
+llama.cpp (common/speculative.cpp, `common_speculative_draft` over the configured types, e.g.
+`--spec-type ngram-mod,draft-mtp`) asks its drafters in order and verifies the first non-empty
+draft. A chain does exactly that at a fixed γ (`DrafterChain.draft`). Under `-k auto` it does
+better (`ChainScheduler`): each member keeps its own scheduler, so its own acceptance and cost, and
+per cycle the proposal with the best expected rate is verified:
+
+1. free members (n-gram, history: microseconds) draft first; each proposal's expected rate is its
+   scheduler's E[tokens] / expected ms for the γ it keeps (a plain step's rate when it keeps none);
+2. a costly member (a draft model, a head, MTP) is planned without drafting (`Scheduler.plan`, before
+   any confidence is known) and drafts only if that plan beats the best free proposal; of several
+   costly members only the best planned one may draft;
+3. the winner is verified. Exactness needs nothing more: a draft's q is the distribution of the
+   drafter that made it, and which drafter proposes is decided before verification sees the target.
+
+Every member sees the accepted tokens: each drafter syncs to the whole context on its next call (a
+draft model catches up on what it skipped, which its scheduler prices: `Scheduler.emitted` counts the
+lag), and every member's scheduler scores the emitted tokens (free members' unverified drafts are
+scored in shadow, as when they run alone). A member's scheduler is the one it has alone
+(`Pricing.scheduler`), so what a pair learned carries between a chain and its members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgespec.drafters.base import Draft, DraftCost, Drafter
+from edgespec.sampling import Dist, SamplingParams
+from edgespec.scheduler import Decision, Scheduler
+
+
+class DrafterChain:
+    """Several drafters behind one (the members, in the order named). At a fixed γ the first non-empty
+    draft is verified (llama.cpp's rule); under `-k auto`, ChainScheduler chooses per cycle."""
+
+    def __init__(self, members: Sequence[Drafter]) -> None:
+        if len(members) < 2:
+            raise ValueError(f"a chain needs at least two drafters (got {len(members)})")
+        self.members = tuple(members)
+        self.name = ",".join(m.name for m in self.members)
+        self.paths = tuple(p for m in self.members for p in m.paths)
+
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        for m in self.members:
+            d = m.draft(context, gamma, params, rng, stop)
+            if d.tokens:
+                return d
+        return Draft([])
+
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost | None:
+        """None: a chain is priced member by member (Pricing.calibrate)."""
+        return None
+
+    def reset(self) -> None:
+        for m in self.members:
+            m.reset()
+
+    def clear(self) -> None:
+        """Forget every earlier generation in every member that remembers (the bench's cold start)."""
+        for m in self.members:
+            clear = getattr(m, "clear", None)
+            if clear is not None:
+                clear()
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+
+def members(drafter: Drafter | None) -> tuple[Drafter, ...]:
+    """A chain's members, or the drafter itself (none for None)."""
+    if drafter is None:
+        return ()
+    return drafter.members if isinstance(drafter, DrafterChain) else (drafter,)
+
+
+@dataclass
+class ChainScheduler:
+    """The Scheduler interface the engine uses (draft, observe, emitted, new_generation) over one
+    scheduler per member: each cycle verifies the member proposal with the best expected rate."""
+
+    schedulers: list[tuple[Drafter, Scheduler]]
+    chosen: Scheduler | None = None  # the member whose draft the current cycle verifies (None: plain)
+    by_member: dict[str, int] = field(default_factory=dict)  # cycles verified per member's name
+
+    def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
+              rng: np.random.Generator) -> tuple[Draft, Decision]:
+        best: tuple[float, Scheduler | None, Draft, Decision] | None = None
+        costly: tuple[float, Drafter, Scheduler] | None = None
+        for m, s in self.schedulers:
+            if not s.free:
+                _, rate = s.plan(len(context) - 1, limit)
+                if costly is None or rate > costly[0]:
+                    costly = (rate, m, s)
+                continue
+            d, dec = s.draft(m, context, limit, params, rng)
+            rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
+            if best is None or (d.tokens and rate > best[0]):
+                best = (rate, s if d.tokens else None, d, dec)
+        if costly is not None and (best is None or costly[0] > best[0]):
+            d, dec = costly[2].draft(costly[1], context, limit, params, rng)
+            rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
+            # a probe is verified whatever it promises (that is how its scheduler learns)
+            if best is None or (d.tokens and (dec.probe or rate > best[0])):
+                best = (rate, costly[2] if d.tokens else None, d, dec)
+        assert best is not None
+        _, self.chosen, d, dec = best
+        if self.chosen is not None:
+            name = next(m.name for m, s in self.schedulers if s is self.chosen)
+            self.by_member[name] = self.by_member.get(name, 0) + 1
+        return d, dec
+
+    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
+                context: int | None = None, rollback: float = 0.0) -> None:
+        """The verified member learns from its cycle; after a plain step, every member does (each
+        would have seen one alone)."""
+        chosen = [self.chosen] if self.chosen is not None else [s for _, s in self.schedulers]
+        for s in chosen:
+            s.observe(draft, accepted, t_draft, t_verify, context, rollback)
+
+    def emitted(self, tokens: Sequence[int], probs: Sequence[Dist | np.ndarray] | None = None) -> None:
+        for _, s in self.schedulers:
+            s.emitted(tokens, probs)
+
+    def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
+        for _, s in self.schedulers:
+            s.new_generation(n_prompt, max_tokens)

@@ -1,0 +1,187 @@
+"""Drafter chains (`--drafter ngram,model`): specs, llama.cpp's first-non-empty rule at a fixed γ, and
+the chain scheduler measured in a cost-model simulator: a chain is never worse than its best member
+alone. Greedy equality and the sampled distribution test with a chain are in test_lossless_reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from edgespec.drafters.base import Draft
+from edgespec.drafters.chain import ChainScheduler, DrafterChain, members
+from edgespec.drafters.history import HistoryDrafter
+from edgespec.drafters.ngram import NgramDrafter
+from edgespec.drafters.registry import open_drafter, plan_drafter
+from edgespec.errors import EdgespecError
+from edgespec.sampling import SamplingParams
+from edgespec.scheduler import K_MAX, CostModel, Scheduler
+
+GREEDY = SamplingParams()
+
+
+def test_a_comma_list_plans_a_chain_of_its_members():
+    plan = plan_drafter("ngram:4,history", None)
+    assert plan is not None and plan.kind == "chain"
+    assert [m.kind for m in plan.members] == ["ngram", "history"] and plan.parts == plan.members
+    assert plan_drafter("ngram", None).parts[0].kind == "ngram"  # one drafter: its own only part
+
+
+@pytest.mark.parametrize("spec,why", [("ngram,", "two or more drafters"), ("ngram,none", "two or more"),
+                                      ("ngram,ngram:x", "bad n-gram drafter 'ngram:x'"),
+                                      ("ngram,no-such-model.gguf", "no-such-model.gguf")])
+def test_a_bad_chain_is_a_one_line_error_naming_the_member(spec, why):
+    with pytest.raises(EdgespecError) as e:
+        plan_drafter(spec, None)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+class _Fixed:
+    """Drafts `tokens` (cut to γ) and counts its calls."""
+
+    def __init__(self, name: str, tokens: Sequence[int], paths: tuple[str, ...] = ()) -> None:
+        self.name, self.tokens, self.paths, self.calls, self.cleared, self.closed = name, list(tokens), paths, 0, 0, 0
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        self.calls += 1
+        return Draft(self.tokens[:gamma])
+
+    def cost_prior(self, note=None):
+        return None
+
+    def reset(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        self.cleared += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_at_a_fixed_gamma_the_first_non_empty_draft_is_verified():
+    empty, a, b = _Fixed("empty", []), _Fixed("a", [1, 2, 3]), _Fixed("b", [4], ("b.gguf",))
+    chain = DrafterChain([empty, a, b])
+    assert chain.name == "empty,a,b" and chain.paths == ("b.gguf",) and members(chain) == (empty, a, b)
+    d = chain.draft([0], 2, GREEDY, np.random.default_rng(0))
+    assert d.tokens == [1, 2] and (empty.calls, a.calls, b.calls) == (1, 1, 0)
+    assert DrafterChain([empty, _Fixed("e2", [])]).draft([0], 3, GREEDY, np.random.default_rng(0)).tokens == []
+    chain.clear()
+    chain.close()
+    assert (empty.cleared, b.cleared, empty.closed, b.closed) == (1, 1, 1, 1)
+    with pytest.raises(ValueError):
+        DrafterChain([a])
+
+
+def test_opening_a_chain_opens_each_member_and_the_serve_isolation_finds_its_history():
+    from edgespec.backends.reference import ReferenceBackend
+
+    chain = open_drafter("ngram,history", ReferenceBackend(6, seed=5))
+    assert isinstance(chain, DrafterChain)
+    assert isinstance(chain.members[0], NgramDrafter) and isinstance(chain.members[1], HistoryDrafter)
+    assert next(m for m in members(chain) if isinstance(m, HistoryDrafter)) is chain.members[1]
+
+
+# -- the simulator: a known output, drafters scripted against it, modeled costs --------------------
+
+
+class _Copier:
+    """A free drafter (n-gram-like): inside a copy stretch it drafts the true continuation to the
+    stretch's end, elsewhere nothing."""
+
+    name = "copier"
+    paths = ()
+
+    def __init__(self, truth: list[int], copy: np.ndarray) -> None:
+        self.truth, self.copy = truth, copy
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        p, out = len(context), []
+        while len(out) < gamma and p + len(out) < len(self.truth) and self.copy[p + len(out)]:
+            out.append(self.truth[p + len(out)])
+        return Draft(out, support=8 if out else None)
+
+    def close(self) -> None:
+        pass
+
+
+class _Model:
+    """A costly drafter right at each position with a fixed chance (a draft model or MTP head),
+    with its confidence, honouring the stop rule; it remembers how far it has read."""
+
+    name = "model"
+    paths = ("model.gguf",)
+
+    def __init__(self, truth: list[int], right: np.ndarray) -> None:
+        self.truth, self.right, self.read = truth, right, 0
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        p, out, conf = len(context), [], []
+        while len(out) < gamma and p + len(out) < len(self.truth):
+            conf.append(0.8)
+            if stop is not None and stop(conf):
+                conf.pop()
+                break
+            i = p + len(out)
+            out.append(self.truth[i] if self.right[i] else -1)
+        return Draft(out, None, conf)
+
+    def close(self) -> None:
+        pass
+
+
+def _simulate(drafter, sched, truth: list[int], start: int, t_verify: list[float], draft_ms: float) -> float:
+    """Generate truth[start:] greedily with modeled costs; returns the speedup over plain steps.
+    A costly drafter pays draft_ms per drafted token, and draft_ms / 4 per context token it missed
+    (the catch-up the scheduler prices)."""
+    rng, p, ms = np.random.default_rng(0), start, 0.0
+    model = next((m for m in members(drafter) if isinstance(m, _Model)), None)
+    sched.new_generation(start, len(truth) - start)
+    while p < len(truth):
+        d, _ = sched.draft(drafter, truth[:p], min(K_MAX - 1, len(truth) - p - 1), GREEDY, rng)
+        n = 0
+        while n < len(d.tokens) and d.tokens[n] == truth[p + n]:
+            n += 1
+        t_draft = 0.0
+        if model is not None and d.confidence is not None and d.tokens:  # the model drafted
+            t_draft = draft_ms * (len(d.tokens) + max(0, p - 1 - model.read) / 4)
+            model.read = p + n
+        ms += t_draft + t_verify[len(d.tokens) + 1]
+        sched.observe(d, n, t_draft / 1000, t_verify[len(d.tokens) + 1] / 1000)
+        sched.emitted(truth[p:p + n + 1])
+        p += n + 1
+    return (len(truth) - start) * t_verify[1] / ms
+
+
+def _schedulers(t_verify: list[float], draft_ms: float) -> tuple[Scheduler, Scheduler]:
+    t = {k: t_verify[k] for k in range(1, K_MAX + 1)}
+    return Scheduler(CostModel(t)), Scheduler(CostModel(t, draft_ms))
+
+
+@pytest.mark.parametrize("regime,slope,draft_ms,copy_share,right", [
+    ("bandwidth-bound, copies and a good model", 0.5, 1.0, 0.3, 0.8),
+    ("bandwidth-bound, no copies", 0.5, 1.0, 0.0, 0.8),
+    ("bandwidth-bound, a weak model", 0.5, 3.0, 0.3, 0.3),
+    ("compute-bound, copies", 5.0, 1.0, 0.3, 0.8),
+])
+def test_a_chain_is_never_worse_than_its_best_member_alone(regime, slope, draft_ms, copy_share, right):
+    rng = np.random.default_rng(1)
+    n, start = 3000, 50
+    truth = [int(x) for x in rng.integers(0, 1000, n)]
+    copy = np.zeros(n, bool)  # copy stretches of 20-60 tokens covering `copy_share` of the text
+    while copy.mean() < copy_share:
+        a = int(rng.integers(start, n - 60))
+        copy[a:a + int(rng.integers(20, 60))] = True
+    correct = rng.random(n) < right
+    t_verify = [0.0] + [10.0 + slope * (k - 1) for k in range(1, K_MAX + 2)]
+    speed = {}
+    for name in ("copier", "model", "chain"):
+        copier, model = _Copier(truth, copy), _Model(truth, correct)
+        s_free, s_model = _schedulers(t_verify, draft_ms)
+        drafter = {"copier": copier, "model": model, "chain": DrafterChain([copier, model])}[name]
+        sched = {"copier": s_free, "model": s_model,
+                 "chain": ChainScheduler([(copier, s_free), (model, s_model)])}[name]
+        speed[name] = _simulate(drafter, sched, truth, start, t_verify, draft_ms)
+    assert speed["chain"] >= 0.99 * max(speed["copier"], speed["model"]), (regime, speed)
+
