@@ -1,0 +1,216 @@
+"""A tiny random-weight Qwen3.5 checkpoint WITH its multi-token-prediction (MTP, "nextn") layer, in the
+HF layout, and its F32 GGUF written by llama.cpp's own vendored converter.
+
+* ``build_qwen35_mtp(root)`` -> ``(hf_dir, gguf_path)``: ``hf_dir`` holds config.json
+  (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``, ``mtp_num_hidden_layers: 1``), model.safetensors
+  (the transformers 5.24 ``Qwen3_5ForCausalLM`` state-dict names plus the ``mtp.*`` tensors as the real
+  Qwen3.5/3.6 checkpoints name them), tokenizer.json + tokenizer_config.json (a 512-token byte-level BPE
+  trained here with the ``tokenizers`` library, ChatML specials); ``gguf_path`` is
+  ``convert_hf_to_gguf.py hf_dir --outtype f32`` (arch ``qwen35``, ``qwen35.nextn_predict_layers = 1``,
+  block_count = 2 trunk + 1 MTP block).
+* ``convert_qwen35(hf_dir, out, *flags)``: the same converter with extra flags (``--no-mtp``: the same
+  model without its nextn block; ``--mtp``: the MTP block alone).
+* ``qwen35_mtp`` (a session fixture): ``build_qwen35_mtp`` once per session.
+
+Upstream facts used (llama-cpp-python 0.3.36 sdist, vendor/llama.cpp): conversion/qwen.py
+(``_QwenMtpMixin``: ``mtp.fc`` -> ``eh_proj``, ``mtp.pre_fc_norm_embedding`` -> ``enorm``,
+``mtp.pre_fc_norm_hidden`` -> ``hnorm``, ``mtp.norm`` -> ``shared_head.norm``, ``mtp.layers.0.*`` ->
+block ``num_hidden_layers``; every ``*norm.weight`` but ``linear_attn.norm`` is stored zero-centred and
+gets +1); src/models/qwen35.cpp (``graph_mtp``: ``eh_proj(concat(enorm(embed(x_p)), hnorm(h_{p-1})))``,
+one full-attention block, then ``shared_head.norm`` or ``output_norm`` and the LM head).
+
+The converter recognises a BPE pre-tokenizer by hashing the token ids of a fixed text, which only
+real vocabularies match; the runner below therefore answers ``get_vocab_base_pre`` with "qwen2" (the
+pre-tokenizer regex tokenizer.json uses) and leaves everything else to the converter.
+
+Weights: the target's blocks are scaled by ``layer_scale`` so that its next token depends mostly on
+the current token and somewhat on the context; the MTP block's ``fc`` is the identity on the
+embedding half plus ``mtp_noise`` × noise, its attention/FFN weights ``mtp_scale`` × init. The MTP
+head then predicts roughly what the target predicts one position later, and its greedy drafts are
+accepted often but not always (measured in tests/test_mtp.py: see ``MEASURED_ACCEPTANCE``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+LLAMA_CPP_SRC = Path(os.environ.get("EDGESPEC_LLAMA_CPP_SRC", "~/.cache/edgespec/src/llama.cpp-0.3.36")).expanduser()
+
+# Greedy drafts of `mtp` at gamma 3 on the default fixture, over 64 new tokens from tests' prompt:
+# accepted / drafted (filled in from tests/test_mtp.py::test_fixture_acceptance's printout).
+MEASURED_ACCEPTANCE = None
+
+N_VOCAB = 512
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2's pre-tokenizer regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts several tokens and the target verifies them in one forward pass.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Once upon a time there was a little model that predicted the next token, and the one after it.",
+    "Multi-token prediction layers reuse the hidden state of the target to guess a token ahead.",
+    "1 2 3 4 5 6 7 8 9 10, the numbers go on and on; a, b, c, d: letters too!",
+]
+
+CONFIG = dict(
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=N_VOCAB, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+    rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu",
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.5,
+                         mrope_section=[3, 3, 2], mrope_interleaved=True),
+    mtp_num_hidden_layers=1, bos_token_id=None, eos_token_id=N_VOCAB - len(SPECIALS) + 2, torch_dtype="float32")
+
+
+def _babble(n: int = 400) -> list[str]:
+    """Deterministic made-up sentences (syllable words), so that BPE has enough pairs to merge."""
+    rng = np.random.default_rng(1234)
+    syl = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = ["".join(rng.choice(syl, size=rng.integers(1, 4))) for _ in range(300)]
+    return [" ".join(rng.choice(words, size=12)) + "." for _ in range(n)]
+
+
+def write_tokenizer(d: Path) -> None:
+    """A 512-token byte-level BPE (Qwen2 pre-tokenizer regex, ChatML specials at the top ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=N_VOCAB - len(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4 + _babble(), trainer)
+    tok.add_special_tokens(SPECIALS)
+    assert tok.get_vocab_size() == N_VOCAB, tok.get_vocab_size()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, add_bos_token=False, chat_template=CHATML, model_max_length=4096), indent=1))
+
+
+def _tensors(cfg: dict, seed: int, layer_scale: float, mtp_scale: float, mtp_noise: float,
+             output_std: float) -> dict[str, np.ndarray]:
+    """HF-named F32 tensors: matrices ~ N(0, 1/fan_in) × scale, zero-centred norms 0.1 × N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    e, ff, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    nk, nv, kc = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_conv_kernel_dim"]
+    t: dict[str, np.ndarray] = {}
+
+    def mat(name: str, rows: int, cols: int, scale: float) -> None:
+        t[name] = (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def norm(name: str, n: int, centre: float = 0.0) -> None:
+        t[name] = (centre + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def attention(p: str, s: float) -> None:
+        mat(p + "self_attn.q_proj.weight", 2 * nh * hd, e, s)  # query and output gate, per head
+        mat(p + "self_attn.k_proj.weight", nkv * hd, e, s)
+        mat(p + "self_attn.v_proj.weight", nkv * hd, e, s)
+        mat(p + "self_attn.o_proj.weight", e, nh * hd, s)
+        norm(p + "self_attn.q_norm.weight", hd)
+        norm(p + "self_attn.k_norm.weight", hd)
+
+    def block_rest(p: str, s: float) -> None:
+        mat(p + "mlp.gate_proj.weight", ff, e, s)
+        mat(p + "mlp.up_proj.weight", ff, e, s)
+        mat(p + "mlp.down_proj.weight", e, ff, s)
+        norm(p + "input_layernorm.weight", e)
+        norm(p + "post_attention_layernorm.weight", e)
+
+    t["model.embed_tokens.weight"] = rng.standard_normal((V, e)).astype(np.float32)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        if kind == "full_attention":
+            attention(p, layer_scale)
+        else:
+            la = p + "linear_attn."
+            conv = 2 * nk * kd + nv * vd
+            mat(la + "in_proj_qkv.weight", conv, e, layer_scale)
+            mat(la + "in_proj_z.weight", nv * vd, e, layer_scale)
+            mat(la + "in_proj_b.weight", nv, e, 1.0)
+            mat(la + "in_proj_a.weight", nv, e, 1.0)
+            t[la + "conv1d.weight"] = (rng.standard_normal((conv, 1, kc)) / np.sqrt(kc)).astype(np.float32)
+            t[la + "dt_bias"] = np.log(np.expm1(np.exp(np.linspace(np.log(0.01), np.log(0.3), nv)))).astype(np.float32)
+            t[la + "A_log"] = np.log(np.linspace(1.0, 16.0, nv)).astype(np.float32)
+            norm(la + "norm.weight", vd, centre=1.0)  # the gated norm is not zero-centred
+            mat(la + "out_proj.weight", e, nv * vd, layer_scale)
+        block_rest(p, layer_scale)
+    norm("model.norm.weight", e)
+    t["lm_head.weight"] = (rng.standard_normal((V, e)) * output_std).astype(np.float32)
+    # the MTP block (one, as Qwen3.5/3.6 ship it)
+    fc = rng.standard_normal((e, 2 * e)) * mtp_noise / np.sqrt(2 * e)
+    fc[:, :e] += np.eye(e)
+    t["mtp.fc.weight"] = fc.astype(np.float32)
+    norm("mtp.pre_fc_norm_embedding.weight", e)
+    norm("mtp.pre_fc_norm_hidden.weight", e)
+    norm("mtp.norm.weight", e)
+    attention("mtp.layers.0.", mtp_scale)
+    block_rest("mtp.layers.0.", mtp_scale)
+    return t
+
+
+def write_checkpoint(d: Path, *, seed: int = 0, layer_scale: float = 0.5, mtp_scale: float = 0.3,
+                     mtp_noise: float = 0.5, output_std: float = 0.5) -> Path:
+    """config.json, model.safetensors and the tokenizer files of the tiny Qwen3.5 + MTP in ``d``."""
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    save_file(_tensors(CONFIG, seed, layer_scale, mtp_scale, mtp_noise, output_std), str(d / "model.safetensors"))
+    write_tokenizer(d)
+    return d
+
+
+# The converter imports its own gguf-py; its BPE pre-tokenizer check only knows real vocabularies.
+_RUNNER = """
+import runpy, sys
+src = sys.argv[1]
+sys.path[:0] = [src, src + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_qwen35(hf_dir: Path, out: Path, *flags: str) -> Path:
+    """``convert_hf_to_gguf.py hf_dir --outfile out --outtype f32 *flags`` (the vendored converter, in a
+    subprocess); skips the calling test where the converter is not fetched (``make converter``)."""
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"needs llama.cpp's converter in {LLAMA_CPP_SRC}: make converter LLAMA_CPP_SRC={LLAMA_CPP_SRC}")
+    r = subprocess.run([sys.executable, "-c", _RUNNER, str(LLAMA_CPP_SRC), str(hf_dir), "--outfile", str(out),
+                        "--outtype", "f32", *flags], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
+    return out
+
+
+def build_qwen35_mtp(root: Path, **weights: float) -> tuple[Path, Path]:
+    """Write the HF checkpoint under ``root/qwen35-mtp-hf`` and convert it to ``root/qwen35-mtp-f32.gguf``.
+
+    ``weights``: write_checkpoint's keywords (seed, layer_scale, mtp_scale, mtp_noise, output_std)."""
+    root = Path(root)
+    hf = write_checkpoint(root / "qwen35-mtp-hf", **weights)
+    return hf, convert_qwen35(hf, root / "qwen35-mtp-f32.gguf")
+
+
+@pytest.fixture(scope="session")
+def qwen35_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(hf_dir, gguf_path) of the tiny Qwen3.5 + MTP fixture, built once a session."""
+    return build_qwen35_mtp(tmp_path_factory.mktemp("qwen35_mtp"))
