@@ -31,7 +31,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        name = self.drafter if self.drafter == "ngram" or "/" not in self.drafter else self.drafter.rsplit("/", 1)[1]
+        name = ",".join(part.rsplit("/", 1)[-1] for part in self.drafter.split(","))  # file names, not paths
         return f"{name} k={self.k}"
 
 
