@@ -1,0 +1,188 @@
+"""MTP drafting on MLX: the target's own multi-token-prediction block (Qwen3.5 / Qwen3.6) drafts γ tokens.
+
+The pairing is llama.cpp's (vendored in llama-cpp-python 0.3.36, ``common/speculative.cpp``,
+``common_speculative_impl_draft_mtp``), restated for edgespec's view of the context: the committed
+context c_0..c_{N-1} (c_{N-1} is the pending token, not yet in the target's cache) fills MTP positions
+p = 0..N-1 with the pairs (c_p, h_{p-1}), h_p being the target's hidden state at p AFTER its final norm
+(qwen35.cpp's ``h_nextn``) and h_{-1} = 0 (llama.cpp's ``pending_h`` starts as zeros). The pair at N-1
+predicts x̃₁; drafting on, position N-1+i takes (x̃ᵢ, the MTP's own output at the previous position) and
+predicts x̃ᵢ₊₁. Draft positions are never kept: the next call syncs the MTP's KV cache to its context by
+common prefix (as EagleDrafter does) and redoes the pairs from the target's fresh hidden states.
+
+The target is any MlxBackend (no special class): ``FinalHiddenTap`` wraps its text model's final
+``norm`` module and records the output of every forward pass, keyed by the position the forward started
+at, so chunked prompts, rejected verifications and a recurrent target's checkpoint replay (Qwen3.5 is a
+Gated-DeltaNet hybrid: ``truncate`` re-evaluates from the checkpoint) all leave row p = h_p.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.backends.llama_features import FeatureStore
+from edgespec.drafters.base import Chain, Draft, DraftCost, common_prefix
+from edgespec.errors import EdgespecError, ModelLoadError
+from edgespec.heads.mtp_mlx import MlxMtpHead, check_weights, load_mtp_weights, target_embed_head
+from edgespec.sampling import SamplingParams
+
+F32 = npt.NDArray[np.float32]
+
+
+def _tap_class() -> type:
+    import mlx.nn as nn
+
+    class TapNorm(nn.Module):
+        """Runs the wrapped norm and hands its output to ``record``."""
+
+        def __init__(self, inner: Any, record: Callable[[Any], None]) -> None:
+            super().__init__()
+            self.inner = inner
+            self._record = record
+
+        def __call__(self, x: Any) -> Any:
+            y = self.inner(x)
+            self._record(y)
+            return y
+
+    return TapNorm
+
+
+class FinalHiddenTap:
+    """The post-final-norm hidden state of every position an MlxBackend evaluates.
+
+    Installed on ``target.model.model.norm``; ``rows(start, stop)`` → (stop - start, H) float32.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.body = body = target.model.model
+        if "norm" not in body or not isinstance(getattr(body, "layers", None), list):
+            raise ModelLoadError(f"model type {target.model_type!r} has no final norm to read MTP hidden states from")
+        self.n_embd = int(body.norm.weight.shape[-1])
+        self._store = FeatureStore(self.n_embd)
+        self._pending: list[tuple[int, Any]] = []
+        self._inner = body.norm
+        body.norm = _tap_class()(body.norm, self._record)
+
+    def _record(self, h: Any) -> None:
+        # called inside the target's forward, before it counts the chunk: n_past is where it starts
+        self._pending.append((self.target.n_past, h))
+
+    def rows(self, start: int, stop: int) -> F32:
+        mx = self.target._mx
+        for at, h in self._pending:  # lazily computed by the forward; gathered here in order
+            h32 = h[0].astype(mx.float32)
+            mx.eval(h32)
+            self._store.truncate(at)
+            self._store.append(np.asarray(h32))
+        self._pending.clear()
+        if stop > self.target.n_past:
+            raise EdgespecError(f"MTP needs target hidden states up to position {stop - 1}, "
+                                f"but the target has evaluated {self.target.n_past}")
+        return self._store.rows(start, stop)
+
+    def detach(self) -> None:
+        if "norm" in self.body and self.body.norm is not self._inner:
+            self.body.norm = self._inner
+        self._pending.clear()
+
+
+class MlxMtpDrafter:
+    """γ draft tokens from the target's own MTP block, on MLX (Drafter protocol, drafters.base).
+
+    Args:
+        target: the opened MlxBackend target (a Qwen3.5 / Qwen3.6 model; mlx-lm's ``qwen3_5``).
+        source: where the MTP weights are: a GGUF with ``nextn`` tensors or an HF checkpoint directory
+            with ``mtp.*`` tensors; default the path the target was opened from.
+    """
+
+    name = "mtp"
+
+    def __init__(self, target: Any, source: str | Path | None = None) -> None:
+        src = Path(source if source is not None else target.path).expanduser()
+        weights = load_mtp_weights(src)
+        self.tap = FinalHiddenTap(target)
+        try:
+            check_weights(weights, target.n_vocab, self.tap.n_embd)
+            embed, head = target_embed_head(target.model)
+            self.head = MlxMtpHead(weights, embed, head)
+        except BaseException:
+            self.tap.detach()
+            raise
+        self.target = target
+        self.paths = (str(src),)
+        self._ctx: list[int] = []  # the context whose pairs fill MTP positions 0..len-1
+        self._synced = 0
+
+    def sync(self, context: Sequence[int]) -> tuple[F32, F32] | None:
+        """Bring the MTP's KV cache to `context` (positions 0..N-1) and return the logits (V,) and
+        output (1, H) of the last pair: the MTP's distribution of the token after `context`."""
+        n = len(context)
+        if n < 1:
+            return None
+        if self.target.n_past < n - 1:
+            raise EdgespecError(f"the MTP drafter needs target hidden states of the {n - 1} context tokens "
+                                f"before the last, but the target has evaluated {self.target.n_past}")
+        common = common_prefix(self._ctx, context)
+        n_keep = max(0, min(common, n - 1, len(self._ctx), self.head.n_past))  # the last pair is redone
+        self.head.truncate(n_keep)
+        h = self.tap.rows(max(0, n_keep - 1), n - 1)
+        if n_keep == 0:
+            h = np.concatenate([np.zeros((1, self.tap.n_embd), np.float32), h])
+        logits, out = self.head.decode(context[n_keep:], h, rows="last")
+        self._ctx = list(context)
+        self._synced = n - 1 - n_keep
+        return logits[0], out
+
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        """Propose at most `gamma` tokens after `context` (see drafters.base.Drafter)."""
+        first = self.sync(context) if gamma > 0 else None
+        if first is None:
+            return Draft([])
+        logits, h = first
+        chain = Chain(params, rng, stop)
+        while (x := chain.step(logits)) is not None and len(chain.tokens) < gamma:
+            out, h = self.head.decode([x], h)
+            logits = out[0]
+        return chain.draft(self._synced)
+
+    def measure_ms_per_token(self, repeats: int = 8) -> float:
+        """Median ms of one draft step (a one-pair decode and its argmax), on scratch positions rolled back."""
+        if self.head.n_past + repeats + 1 > self.target.n_ctx:
+            self.reset()
+        n0 = self.head.n_past
+        h = np.zeros((1, self.tap.n_embd), np.float32)
+        times = []
+        try:
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                logits, h = self.head.decode([0], h)
+                int(np.argmax(logits[0]))
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.head.truncate(n0)
+        return 1000 * statistics.median(times[1:])
+
+    def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
+        return DraftCost(0.0, self.measure_ms_per_token())
+
+    def reset(self) -> None:
+        self._ctx = []
+        self.head.truncate(0)
+
+    def close(self) -> None:
+        self.tap.detach()
+        self.head.close()
+
+
+def open_mlx_mtp(target: Any, source: str | Path | None = None) -> MlxMtpDrafter:
+    """The registry's entry for ``--drafter mtp`` with ``--backend mlx`` (see MlxMtpDrafter)."""
+    return MlxMtpDrafter(target, source)
