@@ -23,11 +23,13 @@ The converter recognises a BPE pre-tokenizer by hashing the token ids of a fixed
 real vocabularies match; the runner below therefore answers ``get_vocab_base_pre`` with "qwen2" (the
 pre-tokenizer regex tokenizer.json uses) and leaves everything else to the converter.
 
-Weights: the target's blocks are scaled by ``layer_scale`` so that its next token depends mostly on
-the current token and somewhat on the context; the MTP block's ``fc`` is the identity on the
-embedding half plus ``mtp_noise`` × noise, its attention/FFN weights ``mtp_scale`` × init. The MTP
-head then predicts roughly what the target predicts one position later, and its greedy drafts are
-accepted often but not always (measured in tests/test_mtp.py: see ``MEASURED_ACCEPTANCE``).
+Weights: the linear-attention block is scaled by ``linear_scale`` (0.3), the full-attention block by
+``attn_scale`` (1.0); the MTP block is a copy of that last full-attention block + ``mtp_noise`` (0.1) ×
+init noise, its ``fc`` the identity on the embedding half + noise, its final norm the target's. The
+head then reads roughly what the target's last block reads, and its greedy drafts are accepted about
+half the time (``MEASURED_ACCEPTANCE``, measured by tests/test_mtp.py::test_fixture_acceptance).
+A check that the pairing is upstream's: with ``fc`` = [0 | I], the block's matrices and norms zeroed,
+the head at position p returns the target's own prediction at p-1, i.e. the token at p (19/19).
 """
 
 from __future__ import annotations
@@ -102,9 +104,10 @@ def write_tokenizer(d: Path) -> None:
         bos_token=None, add_bos_token=False, chat_template=CHATML, model_max_length=4096), indent=1))
 
 
-def _tensors(cfg: dict, seed: int, layer_scale: float, mtp_scale: float, mtp_noise: float,
+def _tensors(cfg: dict, seed: int, linear_scale: float, attn_scale: float, mtp_noise: float,
              output_std: float) -> dict[str, np.ndarray]:
-    """HF-named F32 tensors: matrices ~ N(0, 1/fan_in) × scale, zero-centred norms 0.1 × N(0, 1)."""
+    """HF-named F32 tensors: matrices ~ N(0, 1/fan_in) × scale, zero-centred norms 0.1 × N(0, 1); the
+    MTP block is the last (full-attention) trunk block + ``mtp_noise`` × init noise."""
     rng = np.random.default_rng(seed)
     e, ff, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -134,45 +137,52 @@ def _tensors(cfg: dict, seed: int, layer_scale: float, mtp_scale: float, mtp_noi
         norm(p + "post_attention_layernorm.weight", e)
 
     t["model.embed_tokens.weight"] = rng.standard_normal((V, e)).astype(np.float32)
+    last = len(cfg["layer_types"]) - 1
+    assert cfg["layer_types"][last] == "full_attention"
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
         if kind == "full_attention":
-            attention(p, layer_scale)
-        else:
-            la = p + "linear_attn."
-            conv = 2 * nk * kd + nv * vd
-            mat(la + "in_proj_qkv.weight", conv, e, layer_scale)
-            mat(la + "in_proj_z.weight", nv * vd, e, layer_scale)
-            mat(la + "in_proj_b.weight", nv, e, 1.0)
-            mat(la + "in_proj_a.weight", nv, e, 1.0)
-            t[la + "conv1d.weight"] = (rng.standard_normal((conv, 1, kc)) / np.sqrt(kc)).astype(np.float32)
-            t[la + "dt_bias"] = np.log(np.expm1(np.exp(np.linspace(np.log(0.01), np.log(0.3), nv)))).astype(np.float32)
-            t[la + "A_log"] = np.log(np.linspace(1.0, 16.0, nv)).astype(np.float32)
-            norm(la + "norm.weight", vd, centre=1.0)  # the gated norm is not zero-centred
-            mat(la + "out_proj.weight", e, nv * vd, layer_scale)
-        block_rest(p, layer_scale)
+            attention(p, attn_scale)
+            block_rest(p, attn_scale)
+            continue
+        la = p + "linear_attn."
+        conv = 2 * nk * kd + nv * vd
+        mat(la + "in_proj_qkv.weight", conv, e, linear_scale)
+        mat(la + "in_proj_z.weight", nv * vd, e, linear_scale)
+        mat(la + "in_proj_b.weight", nv, e, 1.0)
+        mat(la + "in_proj_a.weight", nv, e, 1.0)
+        t[la + "conv1d.weight"] = (rng.standard_normal((conv, 1, kc)) / np.sqrt(kc)).astype(np.float32)
+        t[la + "dt_bias"] = np.log(np.expm1(np.exp(np.linspace(np.log(0.01), np.log(0.3), nv)))).astype(np.float32)
+        t[la + "A_log"] = np.log(np.linspace(1.0, 16.0, nv)).astype(np.float32)
+        norm(la + "norm.weight", vd, centre=1.0)  # the gated norm is not zero-centred
+        mat(la + "out_proj.weight", e, nv * vd, linear_scale)
+        block_rest(p, linear_scale)
     norm("model.norm.weight", e)
     t["lm_head.weight"] = (rng.standard_normal((V, e)) * output_std).astype(np.float32)
-    # the MTP block (one, as Qwen3.5/3.6 ship it)
+    # the MTP block (one, as Qwen3.5/3.6 ship it): fc reads mostly the token's embedding, the block is
+    # the last trunk block perturbed, the final norm the target's
     fc = rng.standard_normal((e, 2 * e)) * mtp_noise / np.sqrt(2 * e)
     fc[:, :e] += np.eye(e)
     t["mtp.fc.weight"] = fc.astype(np.float32)
     norm("mtp.pre_fc_norm_embedding.weight", e)
     norm("mtp.pre_fc_norm_hidden.weight", e)
-    norm("mtp.norm.weight", e)
-    attention("mtp.layers.0.", mtp_scale)
-    block_rest("mtp.layers.0.", mtp_scale)
+    t["mtp.norm.weight"] = t["model.norm.weight"].copy()
+    for name in [n for n in t if n.startswith(f"model.layers.{last}.")]:
+        w = t[name]
+        scale = 0.1 if w.ndim == 1 else attn_scale / np.sqrt(w.shape[1])
+        t[name.replace(f"model.layers.{last}.", "mtp.layers.0.")] = (
+            w + mtp_noise * scale * rng.standard_normal(w.shape)).astype(np.float32)
     return t
 
 
-def write_checkpoint(d: Path, *, seed: int = 0, layer_scale: float = 0.5, mtp_scale: float = 0.3,
-                     mtp_noise: float = 0.5, output_std: float = 0.5) -> Path:
+def write_checkpoint(d: Path, *, seed: int = 0, linear_scale: float = 0.3, attn_scale: float = 1.0,
+                     mtp_noise: float = 0.1, output_std: float = 0.5) -> Path:
     """config.json, model.safetensors and the tokenizer files of the tiny Qwen3.5 + MTP in ``d``."""
     from safetensors.numpy import save_file
 
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(CONFIG, indent=1))
-    save_file(_tensors(CONFIG, seed, layer_scale, mtp_scale, mtp_noise, output_std), str(d / "model.safetensors"))
+    save_file(_tensors(CONFIG, seed, linear_scale, attn_scale, mtp_noise, output_std), str(d / "model.safetensors"))
     write_tokenizer(d)
     return d
 
@@ -204,7 +214,7 @@ def convert_qwen35(hf_dir: Path, out: Path, *flags: str) -> Path:
 def build_qwen35_mtp(root: Path, **weights: float) -> tuple[Path, Path]:
     """Write the HF checkpoint under ``root/qwen35-mtp-hf`` and convert it to ``root/qwen35-mtp-f32.gguf``.
 
-    ``weights``: write_checkpoint's keywords (seed, layer_scale, mtp_scale, mtp_noise, output_std)."""
+    ``weights``: write_checkpoint's keywords (seed, linear_scale, attn_scale, mtp_noise, output_std)."""
     root = Path(root)
     hf = write_checkpoint(root / "qwen35-mtp-hf", **weights)
     return hf, convert_qwen35(hf, root / "qwen35-mtp-f32.gguf")

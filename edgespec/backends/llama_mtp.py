@@ -1,0 +1,201 @@
+"""The llama.cpp side of MTP ("nextn") drafting: a target that keeps its nextn hidden rows, and the
+MTP draft context on the same model.
+
+Upstream facts (llama-cpp-python 0.3.36 sdist, vendor/llama.cpp = ggml-org/llama.cpp@0c1e57098 per its
+CHANGELOG):
+* common/common.cpp: the target model is loaded with ``llama_model_params.load_mtp`` (else the nextn
+  tensors are skipped: src/models/qwen35.cpp ``TENSOR_SKIP``), and the draft context is a second
+  context on the SAME model with ``llama_context_params.ctx_type = LLAMA_CONTEXT_TYPE_MTP`` (graph
+  ``LLM_GRAPH_TYPE_DECODER_MTP``; src/llama-model.cpp gives it a plain KV cache of the nextn layer
+  only, even on the Gated-DeltaNet hybrids qwen35 / qwen35moe / qwen3next).
+* common/speculative.cpp (``common_speculative_impl_draft_mtp``): ``llama_set_embeddings_nextn(ctx_tgt,
+  true, masked=false)`` makes every target forward also return ``h_nextn`` for EVERY token of the
+  batch (src/models/qwen35.cpp: ``output_norm`` of the last trunk layer, read with
+  ``llama_get_embeddings_nextn``); the draft context is fed (token at p, target h of p-1) pairs,
+  the first position with a zero row.
+* src/llama-ext.h: ``llama_set_embeddings_nextn``, ``llama_get_embeddings_nextn(_ith)``: exported
+  only under C++-mangled names (bound in backends/llama_features.py's ``ExtApi``).
+* src/llama-context.cpp: with ``masked=true`` the extracted rows are the FIRST n_outputs rows of
+  the graph's h tensor, not those of the output tokens; the draft context here therefore runs
+  unmasked too (rows by batch index), so that a catch-up batch and the first draft step can share
+  one forward.
+
+``MTP_ARCHS`` lists the architectures whose src/models/*.cpp build a ``LLM_GRAPH_TYPE_DECODER_MTP``
+graph in this libllama. Only qwen35 is exercised here (tests/mtp_fixtures.py); several nextn blocks
+(step35's chained heads) are drafted with the first one alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.backends.llama_cpp import KV_TYPES, LlamaCppBackend, LlamaHandles
+from edgespec.backends.llama_features import ExtApi, FeatureStore, ext_api
+from edgespec.errors import BackendError, EdgespecError, ModelLoadError
+
+F32 = npt.NDArray[np.float32]
+DECODE = 1  # enum llama_process_type
+LLAMA_CONTEXT_TYPE_MTP = 1
+
+# arch name (general.architecture) of every src/models/*.cpp with an LLM_GRAPH_TYPE_DECODER_MTP graph
+MTP_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "deepseek2", "deepseek32", "deepseek4", "glm4moe",
+                       "glm-dsa", "glm5-next", "mimo2", "step35", "hy_v3", "nemotron_h_moe", "bailingmoe3",
+                       "cohere2moe"})
+
+
+class MtpUnavailableError(EdgespecError):
+    """``--drafter mtp`` on a target that has no nextn layers, or whose MTP graph libllama lacks."""
+
+
+def check_mtp_target(path: str | os.PathLike) -> tuple[str, int]:
+    """(architecture, nextn layers) of a GGUF target, read from its header; one-line
+    MtpUnavailableError when it has no nextn layers or this libllama has no MTP graph for its arch."""
+    from edgespec.gguf_file import read_gguf
+
+    try:
+        g = read_gguf(path, keep_key=lambda k: k == "general.architecture" or k.endswith(".nextn_predict_layers"),
+                      with_tensors=False)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    arch = str(g.value("general.architecture", "?"))
+    key = f"{arch}.nextn_predict_layers"
+    n = int(g.value(key, 0) or 0)
+    if n <= 0:
+        raise MtpUnavailableError(f"--drafter mtp: {path} (architecture {arch}) has no MTP layers ({key} is "
+                                  f"{'absent' if key not in g.kv else 0}); use a GGUF converted with its MTP "
+                                  f"layers, or another drafter")
+    if arch not in MTP_ARCHS:
+        raise MtpUnavailableError(f"--drafter mtp: {path} has {n} MTP layer(s) but this libllama (llama-cpp-python "
+                                  f"0.3.36) has no MTP graph for architecture {arch} (it has one for "
+                                  f"{', '.join(sorted(MTP_ARCHS))})")
+    return arch, n
+
+
+def _api() -> ExtApi:
+    api = ext_api()
+    if api is None:
+        raise BackendError("this libllama does not export the nextn-embeddings API the mtp drafter needs")
+    return api
+
+
+class LlamaMtpTarget(LlamaCppBackend):
+    """A llama.cpp target loaded with its MTP layers that keeps, for every evaluated position p, the
+    hidden row h_p the MTP head reads (``hidden(start, stop)``), rolled back with the KV cache.
+
+    The cost over a plain target: the nextn rows are copied out of every forward (n_embd floats a
+    token), and the last trunk layer's FFN and norm run for every token of a prompt chunk (not only
+    the rows whose logits are asked for). Args: as for LlamaCppBackend.
+    """
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        self.arch, self.n_nextn = check_mtp_target(Path(path).expanduser())
+        self._ext = _api()
+        super().__init__(path, **kwargs)
+        self.n_embd = self._ll.llama_model_n_embd_out(self._model)
+        self._ext.set_nextn(self._ctx, True, False)  # every token's row, not only the outputs'
+        self._h = FeatureStore(self.n_embd)
+
+    def _load_model(self, path: Path, params: Any, what: str) -> None:
+        params.load_mtp = True
+        super()._load_model(path, params, what)
+
+    def _decode(self, chunk: Any, want: list[bool]) -> None:
+        self._h.truncate(self._n_past)  # a recurrent rollback replays positions whose rows were kept
+        super()._decode(chunk, want)
+        ptr = self._ext.get_nextn(self._ctx)
+        if not ptr:
+            raise BackendError(f"the {self.arch} target returned no nextn rows (llama_get_embeddings_nextn)")
+        self._h.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_embd)))
+
+    def truncate(self, n_past: int) -> None:
+        super().truncate(n_past)
+        self._h.truncate(self.n_past)
+
+    def hidden(self, start: int, stop: int) -> F32:
+        """h rows of positions [start, stop) (the target's ``h_nextn``), (stop - start, n_embd), copied."""
+        return self._h.rows(start, stop)
+
+
+class LlamaMtpContext(LlamaHandles):
+    """The MTP draft context: ``ctx_type`` MTP on the target's own model (not freed here), a KV cache
+    of ``n_past`` positions on sequence 0 and one reused ext batch.
+
+    Args:
+        target: the LlamaMtpTarget (must outlive this context).
+        kv_type: the draft KV cache type (default: the target's).
+        threads: CPU threads (default: the target's).
+    """
+
+    def __init__(self, target: LlamaMtpTarget, *, kv_type: str | None = None, threads: int | None = None) -> None:
+        super().__init__()
+        ll = self._ll
+        self._api = _api()
+        self._target, self._tmodel = target, target.llama_model  # LlamaHandles.close frees _model: not ours
+        self.n_embd, self.n_vocab = target.n_embd, target.n_vocab
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = target.n_ctx
+        cp.n_batch = cp.n_ubatch = target.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = threads or target.threads
+        cp.type_k = cp.type_v = KV_TYPES[kv_type or target.kv_type]
+        cp.ctx_type = LLAMA_CONTEXT_TYPE_MTP
+        cp.no_perf = True
+        self._ctx = ll.llama_init_from_model(self._tmodel, cp)
+        if not self._ctx:
+            self.close()
+            raise ModelLoadError(f"cannot create the MTP draft context of {target.path} (llama_init_from_model "
+                                 f"with ctx_type MTP refused it; run with --verbose for llama.cpp's log)")
+        self._api.set_nextn(self._ctx, True, False)
+        self.n_batch = target.n_batch
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._batch, self._free_batch = ll.llama_batch_ext_init(self._ctx), ll.llama_batch_ext_free
+        self._pos = (ll.llama_pos * 4)()
+        self._n_past = 0
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def decode(self, tokens: list[int], h: F32) -> tuple[F32, F32]:
+        """Append the pairs (tokens[i], h[i]) at positions n_past+i; the LAST pair's logits (V,) and
+        its own h_nextn (n_embd,), the h the next draft position pairs with (both copied).
+        ``h`` (n, n_embd) must stay unchanged until this returns."""
+        ll, n = self._ll, len(tokens)
+        if n == 0 or n > self.n_batch or h.shape != (n, self.n_embd) or h.dtype != np.float32:
+            raise ValueError(f"decode takes 1..{self.n_batch} tokens and ({n}, {self.n_embd}) float32 rows "
+                             f"(got {n} and {h.shape} {h.dtype})")
+        h = np.ascontiguousarray(h)
+        base = h.ctypes.data
+        f32p = ctypes.POINTER(ctypes.c_float)
+        ll.llama_batch_ext_clear(self._batch)
+        for i, tok in enumerate(tokens):
+            idx = ll.llama_batch_ext_add_token(self._batch, 0, int(tok))
+            self._pos[0] = self._n_past + i
+            embd = ll.llama_embd(ctypes.cast(base + 4 * i * self.n_embd, f32p), 1, self.n_embd)
+            if (idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, self._pos)
+                    or not ll.llama_batch_ext_set_embd_token(self._batch, idx, embd)):
+                raise BackendError(f"cannot add MTP pair {i} (token {tok}) to the batch ({idx})")
+            if i == n - 1:
+                ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+        rc = ll.llama_process(self._ctx, DECODE, self._batch)
+        if rc != 0:
+            ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
+            raise BackendError(f"llama_process(MTP) returned {rc} for {n} pairs at position {self._n_past}")
+        self._n_past += n
+        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, n - 1), shape=(self.n_vocab,)).copy()
+        h_out = np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, n - 1), shape=(self.n_embd,)).copy()
+        return logits, h_out
+
+    def truncate(self, n_past: int) -> None:
+        """Drop the KV entries of positions >= n_past."""
+        if n_past >= self._n_past:
+            return
+        if not self._ll.llama_memory_seq_rm(self._mem, 0, n_past, -1):
+            raise BackendError(f"llama_memory_seq_rm could not roll the MTP context back to {n_past}")
+        self._n_past = n_past
