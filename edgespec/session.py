@@ -63,6 +63,11 @@ class Plan:
         """The target layers the first feature head reads (None: no head, a plain target)."""
         return next((m.head.layers for d in self.drafters for m in d.parts if m.head is not None), None)
 
+    @property
+    def mtp(self) -> bool:
+        """Whether a drafter reads the target's MTP layers (the target opens with them: drafters.mtp)."""
+        return any(m.kind == "mtp" for d in self.drafters for m in d.parts)
+
 
 def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,
          num_draft: int | str = "auto", **options: Any) -> Plan:
@@ -104,7 +109,8 @@ class Session:
         self.drafters: dict[str, Drafter] = {}
         opts = asdict(plan.options)
         with ExitStack() as opened:  # a failure closes what was opened before it
-            target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, **opts))
+            target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, mtp=plan.mtp,
+                                                       **opts))
             for d in plan.drafters:
                 drafter = self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
                 opened.callback(drafter.close)
@@ -129,8 +135,8 @@ class Session:
 
     def plain_engine(self) -> Engine:
         """An engine for plain decoding on the same file: the session's own, unless its target
-        captures features for a head (a plain baseline must not pay for that)."""
-        if self.plan.layers is None:
+        captures features for a head or MTP rows (a plain baseline must not pay for that)."""
+        if self.plan.layers is None and not self.plan.mtp:
             return self.engine
         if self._plain is None:
             self._plain = Engine(open_backend(self.plan.target, self.plan.backend, **asdict(self.plan.options)))
@@ -156,7 +162,7 @@ def open_target(target: Spec | None = None, drafters: Spec | Sequence[Spec] | No
                 **options: Any) -> Backend:
     """The target `drafters` need, by name: plain, or capturing the layers the first head reads."""
     p = plan(target, drafters, backend, **{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
-    return open_backend(p.target, backend, p.layers, **options)
+    return open_backend(p.target, backend, p.layers, mtp=p.mtp, **options)
 
 
 def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend: str = "llama.cpp",

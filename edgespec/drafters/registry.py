@@ -4,7 +4,8 @@ A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt looku
 [@CORPUS_FILE]" (lookup in the context, earlier ones and a corpus), a GGUF path or known model name with the
 target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3 ("eagle3") or DFlash ("dflash"; DSpark
 with the Markov head, markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted
-once against the target and cached (drafters.heads).
+once against the target and cached (drafters.heads), or "mtp": the target's own MTP layers (drafters.mtp;
+its target is opened with `mtp=True`).
 
 `plan_drafter` reads a spec once, with file work only (names resolved, a checkpoint converted, a head's
 header read and checked against the target's), into a frozen DrafterPlan; `open_drafter` opens a plan
@@ -34,7 +35,7 @@ class DrafterPlan:
     """A drafter spec, read once: what `open_drafter` opens."""
 
     spec: str  # as the user named it (messages and bench configs quote it)
-    kind: str  # "ngram", "history", "model" or "head"
+    kind: str  # "ngram", "history", "model", "head", "mtp" or "chain"
     path: Path | None = None  # a draft model's file (or MLX directory); a head's GGUF
     numbers: tuple[int, ...] = ()  # ngram: N_MAX[, N_MIN]; history: MAX_TOKENS
     corpus: Path | None = None  # history's corpus file
@@ -68,6 +69,12 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
     text = str(spec)
     if "," in text and not Path(text).expanduser().exists():
         return _plan_chain(text, target, backend)
+    if text == "mtp":  # the target's own nextn layers (drafters.mtp): checked in the target's header
+        if target is not None and backend == "llama.cpp":
+            from edgespec.backends.llama_mtp import check_mtp_target
+
+            check_mtp_target(target)
+        return DrafterPlan(text, "mtp")
     if text == "ngram" or text.startswith("ngram:"):
         usage = "use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' with whole numbers (e.g. ngram:4:2)"
         return DrafterPlan(text, "ngram", numbers=_numbers(text, "n-gram", 2, usage))
@@ -113,7 +120,7 @@ def _numbers(text: str, name: str, most: int, usage: str) -> tuple[int, ...]:
 
 
 def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] | None = None,
-                 **options: Any) -> Backend:
+                 mtp: bool = False, **options: Any) -> Backend:
     """Open a resolved model file (on "mlx" also an mlx-lm directory) on `backend`; with `layers`, a
     target that also captures the hidden states at those layer ids (for a feature head).
 
@@ -121,9 +128,17 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
         path: the GGUF file or MLX directory (edgespec.models.resolve_model has made names paths).
         backend: "llama.cpp" or "mlx".
         layers: target layer ids whose inputs a feature head reads (None: a plain backend).
+        mtp: a target loaded with its MTP layers that keeps their input rows (drafters.mtp).
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
     check_backend(backend)
+    if mtp:
+        if layers is not None or backend != "llama.cpp":
+            raise EdgespecError(f"--drafter mtp runs on llama.cpp without a feature head (backend {backend!r}, "
+                                f"head layers {layers})")
+        from edgespec.backends.llama_mtp import LlamaMtpTarget
+
+        return LlamaMtpTarget(path, **options)
     if layers is not None:
         options["layers"] = tuple(layers)
     return _BACKENDS[backend, layers is not None]()(path, **options)
@@ -247,5 +262,12 @@ def _chain(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, opt
     return DrafterChain(drafters)
 
 
+def _mtp(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
+    """The target's MTP head (the target opened with `open_backend(..., mtp=True)`)."""
+    from edgespec.drafters.mtp import MtpDrafter
+
+    return MtpDrafter(target, options.get("threads"))  # type: ignore[arg-type]  # checked there
+
+
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
-                                                "model": _draft_model, "chain": _chain}
+                                                "model": _draft_model, "chain": _chain, "mtp": _mtp}
