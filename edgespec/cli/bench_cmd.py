@@ -20,7 +20,7 @@ _Target = Annotated[str, typer.Option("--target", help="Target: GGUF path or kno
                                       "also an mlx-lm directory).")]
 _Drafters = Annotated[list[str] | None, typer.Option(
     "--drafter", help="Drafter config (repeatable): 'ngram' (or 'ngram:N_MAX:N_MIN', the n-gram sizes), 'history', a "
-                      "same-vocabulary GGUF path/name, or an EAGLE-3 / DFlash / DSpark head GGUF.")]
+                      "same-vocabulary GGUF path/name, an EAGLE-3 / DFlash / DSpark head GGUF, or a comma chain of these (e.g. ngram,smollm2).")]
 _Gammas = Annotated[list[str] | None, typer.Option(
     "-k", "--num-draft", help="γ values (repeatable): integers >= 1, 'auto' for the scheduler, or 0: plain decoding "
                               "paired with plain decoding (an A/A control: its ratio spread is the machine's noise; "
