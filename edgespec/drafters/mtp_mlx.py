@@ -106,6 +106,11 @@ class MlxMtpDrafter:
     name = "mtp"
 
     def __init__(self, target: Any, source: str | Path | None = None) -> None:
+        from edgespec.backends.mlx import MlxBackend
+
+        if not isinstance(target, MlxBackend):
+            raise EdgespecError(f"the MLX mtp drafter needs an MLX target; {type(target).__name__} "
+                                f"{getattr(target, 'path', '?')} is not one")
         src = Path(source if source is not None else target.path).expanduser()
         weights = load_mtp_weights(src)
         self.tap = FinalHiddenTap(target)

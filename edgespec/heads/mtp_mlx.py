@@ -82,8 +82,8 @@ def mtp_weights_from_gguf(path: str | Path) -> MtpWeights:
     n_next = int(f.value(f"{arch}.nextn_predict_layers", 0) or 0)
     if n_next < 1:
         raise ModelLoadError(f"{path} ({arch}) has no MTP layers: {arch}.nextn_predict_layers is absent or 0")
-    if arch not in ("qwen35", "qwen3next"):
-        raise ModelLoadError(f"MTP on MLX supports the qwen35 family, not {arch!r} ({path})")
+    if arch != "qwen35":  # qwen35moe / qwen3next MTP blocks have a MoE FFN: not built here
+        raise ModelLoadError(f"MTP on MLX supports the dense qwen35 MTP block, not {arch}'s ({path})")
     il = int(f.arch_value("block_count")) - n_next
     get = f.arch_value
     n_head = _first(get("attention.head_count"), il)
@@ -129,8 +129,11 @@ def mtp_weights_from_hf(model_dir: str | Path) -> MtpWeights:
     c = {**raw, **raw.get("text_config", {})}
     files = hf_mtp_names(d)
     if not files:
-        raise ModelLoadError(f"{d} has no MTP layers: no mtp.* tensors (mtp_num_hidden_layers="
+        raise ModelLoadError(f"{d} ({c.get('model_type')}) has no MTP layers: no mtp.* tensors (mtp_num_hidden_layers="
                              f"{c.get('mtp_num_hidden_layers')}; mlx-lm's converted directories drop them)")
+    if "mtp.layers.0.mlp.gate_proj.weight" not in files:  # Qwen3.5-MoE / Qwen3-Next: experts
+        raise ModelLoadError(f"{d}: MTP on MLX supports the dense Qwen3.5 MTP block, not a MoE one "
+                             f"({c.get('model_type')})")
     n_head = int(c["num_attention_heads"])
     hd = int(c.get("head_dim") or c["hidden_size"] // n_head)
     rp = c.get("rope_parameters") or {}
