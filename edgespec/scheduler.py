@@ -137,6 +137,7 @@ class Decision:
     ms: float = 0.0  # expected cost
     probe: bool = False
     seconds: float = 0.0  # time the decision itself took (plan + cut, not drafting)
+    member: str | None = None  # a chain's member whose proposal is verified (drafters.chain)
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Stats:
     predicted_tokens: float = 0.0  # the scheduler's expected tokens, summed over planned cycles
     predicted_s: float = 0.0  # and its expected time for them
     peak_rss_mb: float = 0.0
+    by_member: Counter[str] = field(default_factory=Counter)  # a chain's cycles verified per member
 
     @property
     def t_decode(self) -> float:
@@ -128,6 +129,8 @@ class Stats:
         if plan is not None:
             self.n_planned += 1
             self.n_probes += plan.probe
+            if plan.member is not None and n_draft:
+                self.by_member[plan.member] += 1
             self.t_schedule += plan.seconds
             self.predicted_tokens += plan.tokens
             self.predicted_s += plan.ms / 1000
@@ -144,6 +147,7 @@ class Stats:
                      "predicted_tokens", "predicted_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.cycles = self.cycles + other.cycles
+        out.by_member = self.by_member + other.by_member
         out.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)
         return out
 

@@ -12,6 +12,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -58,6 +59,7 @@ class Run:
     plain_tok_per_s: float | None = None  # the paired plain run's speed
     matches_plain: bool | None = None  # greedy only: spec tokens == plain tokens
     turn: int = 1  # the turn of its session (a single-shot task: 1)
+    by_member: dict[str, int] = field(default_factory=dict)  # a chain: cycles verified per member
 
 
 def run_matrix(engine: Engine, drafters: dict[str, object], configs: Sequence[Config],
@@ -116,7 +118,8 @@ def run_one(engine: Engine, task: Task, kw: dict, chat: bool, speculative: bool)
 
 def _record(task: Task, label: str, temp: float, rep: int, turn: int, s: Stats) -> Run:
     return Run(task.id, task.category, label, temp, rep, s.tok_per_s, s.n_tokens, s.tau,
-               s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles), turn=turn)
+               s.t_draft, s.t_verify, s.t_other, s.peak_rss_mb, list(s.cycles), turn=turn,
+               by_member=dict(s.by_member))
 
 
 def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
@@ -144,6 +147,11 @@ def summarize(runs: Sequence[Run], t_forward_ms: dict[int, float] | None = None,
                    peak_rss_mb=max(r.peak_rss_mb for r in rs),
                    mismatches=sum(1 for r in rs if r.matches_plain is False))
         row.update(memory_bound_prediction(rs))
+        by_member = Counter[str]()
+        for r in rs:
+            by_member.update(r.by_member)
+        if by_member:
+            row["by_member"] = dict(by_member)
         if t_forward_ms:
             cost = (draft_cost or {}).get(config)  # None: drafting is free (n-gram)
             row["ideal_speedup"] = ideal_speedup_at(

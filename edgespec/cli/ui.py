@@ -72,6 +72,8 @@ def format_schedule(stats: Stats) -> str:
                   f"decision {stats.t_schedule / stats.n_planned * 1e6:.0f} µs/cycle"]
         if stats.n_probes:
             parts.append(f"{stats.n_probes} probe(s)")
+        if stats.by_member:
+            parts.append("drafts from " + ", ".join(f"{m} {n}" for m, n in stats.by_member.most_common()))
     return _SEP.join(parts)
 
 

@@ -111,8 +111,8 @@ class ChainScheduler:
         assert best is not None
         _, self.chosen, d, dec = best
         if self.chosen is not None:
-            name = next(m.name for m, s in self.schedulers if s is self.chosen)
-            self.by_member[name] = self.by_member.get(name, 0) + 1
+            dec.member = next(m.name for m, s in self.schedulers if s is self.chosen)
+            self.by_member[dec.member] = self.by_member.get(dec.member, 0) + 1
         return d, dec
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
