@@ -40,16 +40,18 @@ def plain_tokens(mtp_gguf) -> list[int]:
         return engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
 
 
-@pytest.mark.parametrize("gamma", [1, 3, "auto"])
-def test_greedy_mtp_equals_plain(mtp_gguf, plain_tokens, gamma):
-    with edgespec.load(mtp_gguf, drafter="mtp", num_draft=gamma, n_ctx=512, threads=1) as engine:
-        assert isinstance(engine.target, LlamaMtpTarget) and isinstance(engine.drafter, MtpDrafter)
+@pytest.mark.parametrize("drafter, gamma", [("mtp", 1), ("mtp", 3), ("mtp", "auto"), ("ngram,mtp", 3),
+                                            ("ngram,mtp", "auto")])
+def test_greedy_mtp_equals_plain(mtp_gguf, plain_tokens, drafter, gamma):
+    with edgespec.load(mtp_gguf, drafter=drafter, num_draft=gamma, n_ctx=512, threads=1) as engine:
+        assert isinstance(engine.target, LlamaMtpTarget)
+        assert isinstance(engine.drafter if drafter == "mtp" else engine.drafter.members[-1], MtpDrafter)
         out = engine.generate(PROMPT, max_tokens=64, temperature=0)
         again = engine.generate(PROMPT, max_tokens=64, temperature=0)  # the cached prompt, synced again
     assert out.tokens == plain_tokens and again.tokens == plain_tokens
     cycles = out.stats.cycles
     drafted, accepted = sum(d for d, _ in cycles), sum(n for _, n in cycles)
-    print(f"\nmtp γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
+    print(f"\n{drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
     if gamma != "auto":
         assert any(d and n == d for d, n in cycles) and any(n < d for d, n in cycles)  # full and partial
 
@@ -114,11 +116,13 @@ def test_mtp_kv_stays_in_sync_after_partial_and_full_acceptance(mtp_gguf):
             drafter.close()
 
 
-def test_sampled_mtp_keeps_the_target_distribution(mtp_gguf):
-    """The first two tokens over seeded runs (γ = 1 in the first cycle: accept + bonus, or reject →
-    residual + a plain step; the head's full q) against their exact distribution, by chi-square."""
-    params = SamplingParams(temperature=1.0, top_p=0.9)
-    n_runs = 3000
+SAMPLED = dict(temperature=1.0, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def sampled_pairs(mtp_gguf):
+    """(engine, prompt ids, the exact distribution of the first two sampled tokens)."""
+    params = SamplingParams(**SAMPLED)
     with edgespec.load(mtp_gguf, drafter="mtp", num_draft=1, n_ctx=256, threads=1) as engine:
         t = engine.target
         ids = t.tokenize(PROMPT)
@@ -131,11 +135,17 @@ def test_sampled_mtp_keeps_the_target_distribution(mtp_gguf):
             p2 = process_rows(t.eval([int(x1)], rows="last"), params)[0].dense()
             exact |= {(int(x1), int(x2)): p1[x1] * p2[x2] for x2 in np.flatnonzero(p2)}
         t.truncate(0)
-        t0, counts, drafted, accepted = time.perf_counter(), Counter(), 0, 0
-        for seed in range(n_runs):
-            out = engine.generate(ids, max_tokens=2, seed=seed, temperature=1.0, top_p=0.9)
-            counts[tuple(out.tokens)] += 1
-            drafted, accepted = drafted + out.stats.n_drafted, accepted + out.stats.n_accepted
+        yield engine, ids, exact
+
+
+def _chi_square(engine, ids, exact, n_runs: int) -> tuple[float, int, int]:
+    """Chi-square p of the first two tokens over `n_runs` seeded runs against `exact` (cells with
+    fewer than 5 expected runs pooled), and the drafts made and accepted."""
+    counts, drafted, accepted = Counter(), 0, 0
+    for seed in range(n_runs):
+        out = engine.generate(ids, max_tokens=2, seed=seed, **SAMPLED)
+        counts[tuple(out.tokens)] += 1
+        drafted, accepted = drafted + out.stats.n_drafted, accepted + out.stats.n_accepted
     assert set(counts) <= set(exact)
     keys = sorted(exact, key=lambda k: -exact[k])
     expected = np.array([exact[k] for k in keys]) * n_runs
@@ -143,12 +153,39 @@ def test_sampled_mtp_keeps_the_target_distribution(mtp_gguf):
     big = expected >= 5
     f_obs = np.append(observed[big], observed[~big].sum())
     f_exp = np.append(expected[big], expected[~big].sum())
-    p = chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue
-    tv = 0.5 * np.abs(observed / n_runs - expected / n_runs).sum()
-    print(f"\nsampled mtp: {accepted}/{drafted} accepted, {len(f_obs)} cells, p = {p:.3f}, TV = {tv:.3f}, "
-          f"{time.perf_counter() - t0:.1f} s")
-    assert drafted >= n_runs and 0.05 * drafted < accepted < 0.95 * drafted  # both branches, often
+    return float(chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue), drafted, accepted
+
+
+def test_sampled_mtp_keeps_the_target_distribution(sampled_pairs):
+    """The first two tokens over seeded runs (γ = 1 in the first cycle: accept + bonus, or reject →
+    residual + a plain step; the head's full q rows) against their exact distribution."""
+    t0 = time.perf_counter()
+    p, drafted, accepted = _chi_square(*sampled_pairs, n_runs=3000)
+    print(f"\nsampled mtp: {accepted}/{drafted} accepted, chi-square p = {p:.3f}, {time.perf_counter() - t0:.1f} s")
+    assert drafted >= 3000 and 0.05 * drafted < accepted < 0.95 * drafted  # both branches, often
     assert p > 0.001
+
+
+def test_the_chi_square_catches_a_biased_verifier(sampled_pairs, monkeypatch):
+    """Power check (as tests/test_real_sampling.py's): a verifier that accepts x̃ with probability
+    p(x̃) and after a rejection samples p again, x̃ not removed, over-produces the drafts; the same
+    test rejects it."""
+    import edgespec.engine
+    from edgespec.sampling import process, sample
+
+    def biased(logits, draft, q, params, rng, rows=None):
+        rows = [] if rows is None else rows
+        for i, x in enumerate(draft):
+            rows.append(p := process(logits[i], params))
+            if rng.random() >= p[x]:
+                return i, sample(p, rng)
+        rows.append(p := process(logits[len(draft)], params))
+        return len(draft), sample(p, rng)
+
+    monkeypatch.setattr(edgespec.engine, "verify_stochastic", biased)
+    p, _, _ = _chi_square(*sampled_pairs, n_runs=3000)
+    print(f"\nbiased verifier: chi-square p = {p:.2e}")
+    assert p < 0.001
 
 
 def test_cost_prior_and_plain_baseline(mtp_gguf):
