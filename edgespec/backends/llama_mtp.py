@@ -47,6 +47,8 @@ LLAMA_CONTEXT_TYPE_MTP = 1
 MTP_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "deepseek2", "deepseek32", "deepseek4", "glm4moe",
                        "glm-dsa", "glm5-next", "mimo2", "step35", "hy_v3", "nemotron_h_moe", "bailingmoe3",
                        "cohere2moe"})
+# ... of which these assert exactly one nextn block (GGML_ASSERT: a second one would abort the process)
+ONE_BLOCK_ARCHS = MTP_ARCHS - {"hy_v3", "mimo2", "step35", "glm5-next"}
 
 
 class MtpUnavailableError(EdgespecError):
@@ -74,6 +76,9 @@ def check_mtp_target(path: str | os.PathLike) -> tuple[str, int]:
         raise MtpUnavailableError(f"--drafter mtp: {path} has {n} MTP layer(s) but this libllama (llama-cpp-python "
                                   f"0.3.36) has no MTP graph for architecture {arch} (it has one for "
                                   f"{', '.join(sorted(MTP_ARCHS))})")
+    if n != 1 and arch in ONE_BLOCK_ARCHS:
+        raise MtpUnavailableError(f"--drafter mtp: {path} has {n} MTP layers ({key}) but this libllama's {arch} MTP "
+                                  f"graph takes exactly one")
     return arch, n
 
 
