@@ -11,12 +11,14 @@ target's distribution (chi-square); the errors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mlx_fixtures import own_mlx_home  # noqa: F401 (used by usefixtures)
 from mtp_fixtures import qwen35_mtp  # noqa: F401 (a session fixture)
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
@@ -199,6 +201,36 @@ def test_greedy_spec_equals_plain_with_mlx_mtp(fixture):
     print(f"MLX mtp: {accepted}/{drafted} draft tokens accepted")
     assert drafted > 0 and accepted > 0
     drafter.close()
+
+
+@pytest.mark.usefixtures("own_mlx_home")
+def test_qwen35_gguf_on_mlx(fixture, monkeypatch):
+    """The GGUF itself as the MLX target (mlx_convert_qwen35.py: llama.cpp's value-head regrouping, A_log
+    and conv layout undone; the nextn block left out of the conversion and read from the GGUF by the
+    drafter): the same logits as the HF checkpoint on MLX, and greedy spec == plain with mtp."""
+    _, gguf_path, d, _, _ = fixture
+    a, b = MlxBackend(gguf_path), MlxBackend(d)
+    report = json.loads((a.model_dir / "edgespec-convert.json").read_text())["tensors"]
+    assert not [k for k in report if k.startswith("model.layers.2.")]  # the nextn block (blk.2) stays out
+    toks = _prompt_tokens(a)
+    assert toks == _prompt_tokens(b)
+    la, lb = a.eval(toks, rows="all"), b.eval(toks, rows="all")
+    assert _rel(la, lb) <= 1e-6, _rel(la, lb)
+    if importlib.util.find_spec("llama_cpp") is not None:  # and llama.cpp's logits on the same file
+        from edgespec.backends.llama_cpp import LlamaCppBackend
+
+        _no_flash_attn(monkeypatch)
+        with LlamaCppBackend(gguf_path, kv_type="f32") as c:
+            lc = c.eval(toks, rows="all")
+        print(f"qwen35 GGUF on MLX vs llama.cpp: {_rel(la, lc):.1e} of the range")
+        assert _rel(la, lc) <= 1e-4 and (la.argmax(1) == lc.argmax(1)).all()
+    drafter = MlxMtpDrafter(a)  # its MTP block from the GGUF the target was opened from
+    assert drafter.paths == (str(gguf_path),)
+    engine = Engine(a, drafter)
+    a.truncate(0)
+    plain = engine.generate(toks, max_tokens=24, speculative=False)
+    for gamma in (3, "auto"):
+        assert engine.generate(toks, max_tokens=24, num_draft=gamma).tokens == plain.tokens, gamma
 
 
 def test_mtp_needs_mtp_weights(fixture, tmp_path):

@@ -12,7 +12,7 @@ Quantized weights stay quantized (MLX affine, group 32):
 GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE: the config says
 rope_traditional=True instead of un-permuting. Gemma's GGUF norm weights carry +1 (llama.cpp's
 converter adds it; mlx-lm's Gemma RMSNorm adds it at run time): it is taken off again.
-Mamba-2 and LFM2 (recurrent / hybrid) invert llama.cpp's converter: ssm_a = −exp(A_log) becomes
+Mamba-2, LFM2 and Qwen3.5 (recurrent / hybrid; qwen35: mlx_convert_qwen35.py) invert llama.cpp's converter: ssm_a = −exp(A_log) becomes
 A_log again, the squeezed depthwise conv kernels get back their (channels, kernel, 1) shape, and
 LFM2's per-layer head_count_kv (0 on convolution layers) becomes full_attn_idxs.
 tokenizer.gguf holds the source's metadata (vocabulary, merges, chat template) and no tensors:
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from edgespec.backends import mlx_convert_qwen35 as qwen35
 from edgespec.errors import ModelLoadError
 from edgespec.gguf_file import GGUFFile, add_fields, read_gguf
 
@@ -60,8 +61,10 @@ _ARCH_LAYER_NAMES = {
              "attn_k_norm": "self_attn.k_layernorm", "attn_norm": "operator_norm", "ffn_norm": "ffn_norm",
              "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
              "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv", "shortconv.out_proj": "conv.out_proj"},
+    "qwen35": qwen35.LAYER_NAMES,  # Qwen3.5 dense: mlx_convert_qwen35.py
 }
-_LAYER_PARAMS = {"mamba2": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"}}  # whole names
+_LAYER_PARAMS = {"mamba2": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"},
+                 "qwen35": qwen35.PARAMS}  # whole names
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ARCH_GLOBAL_NAMES = {"mamba2": {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
                       "lfm2": {"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm"}}
@@ -168,7 +171,8 @@ def _lfm2_config(f: GGUFFile, n_vocab: int) -> dict[str, Any]:
                 full_attn_idxs=attn, tie_word_embeddings=True)
 
 
-_RECURRENT_CONFIGS = {"mamba2": _mamba2_config, "lfm2": _lfm2_config}
+_RECURRENT_CONFIGS = {"mamba2": _mamba2_config, "lfm2": _lfm2_config, "qwen35": qwen35.config}
+_SKIP = {"qwen35": qwen35.skip}  # tensors the mlx-lm model has no place for (the MTP block)
 
 
 def mlx_name(gguf_name: str, arch: str) -> str:
@@ -200,7 +204,9 @@ _LAYOUTS: dict[tuple[str, str], Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def _layout(arch: str, gguf_name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+def _layout(f: GGUFFile, arch: str, gguf_name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+    if arch == "qwen35":
+        return qwen35.layout(f, gguf_name)
     if arch == "gemma3" and gguf_name.endswith("norm.weight"):
         return lambda w: w - 1.0  # see the module docstring
     return _LAYOUTS.get((arch, gguf_name.split(".", 2)[-1]))
@@ -265,10 +271,12 @@ def _tensor_arrays(f: GGUFFile, arch: str, bits: int) -> tuple[dict[str, Any], d
     out: dict[str, Any] = {}
     how: dict[str, str] = {}
     for tname, (_qtype, shape, raw) in f.tensors.items():  # shape: numpy order (rows..., columns)
+        if arch in _SKIP and _SKIP[arch](f, tname):
+            continue
         name, kind = mlx_name(tname, arch), types[tname]
         base = name.rpartition(".")[0]
         n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        layout = _layout(arch, tname)
+        layout = _layout(f, arch, tname)
         if layout is not None:
             out[name] = mx.array(layout(f.tensor(tname)).astype(np.float32))
             how[name] = "float32" if kind in _FLOAT else f"{kind.lower()} → float32"
