@@ -95,7 +95,7 @@ def _mx():
 
 
 def mlx_config(f: GGUFFile) -> dict[str, Any]:
-    """mlx-lm config.json for a llama, gemma3, mamba2 or lfm2 GGUF's metadata (ValueError naming a
+    """mlx-lm config.json for a llama, gemma3, mamba2, lfm2 or qwen35 GGUF's metadata (ValueError naming a
     missing key)."""
     arch = f.value("general.architecture")
     if arch not in _ARCH_LAYER_NAMES:
@@ -316,7 +316,7 @@ def _write_tokenizer(f: GGUFFile, dst: Path) -> None:
 
 def convert_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, bits: int = 8,
                  note: Callable[[str], None] | None = None) -> Conversion:
-    """Convert a llama, gemma3, mamba2 or lfm2 GGUF file into an MLX model directory.
+    """Convert a llama, gemma3, mamba2, lfm2 or qwen35 GGUF file into an MLX model directory.
 
     Args:
         src: the GGUF file.
