@@ -27,7 +27,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edge
 import mtp_reference as ref  # noqa: E402
 
 from edgespec.backends.mlx import MlxBackend  # noqa: E402
-from edgespec.drafters.mtp_mlx import MlxMtpDrafter  # noqa: E402
+from edgespec.drafters.mtp_mlx import MlxMtpDrafter, check_mlx_mtp_target  # noqa: E402
 from edgespec.engine import Engine  # noqa: E402
 from edgespec.errors import ModelLoadError  # noqa: E402
 from edgespec.heads.mtp_mlx import MlxMtpHead, mtp_weights_from_gguf, mtp_weights_from_hf  # noqa: E402
@@ -251,6 +251,24 @@ def test_mtp_needs_mtp_weights(fixture, tmp_path):
     # the MTP block from the original GGUF still drafts for it
     drafter = MlxMtpDrafter(target, source=fixture[1])
     assert drafter.draft(_prompt_tokens(target)[:1], 2, _greedy(), np.random.default_rng(0)).tokens
+
+
+def test_plan_time_check_and_cost_prior(fixture, tmp_path):
+    from mtp_fixtures import convert_qwen35
+
+    hf, gguf_path, d, _, _ = fixture
+    check_mlx_mtp_target(gguf_path)
+    check_mlx_mtp_target(hf)
+    no_mtp = convert_qwen35(hf, tmp_path / "no-mtp.gguf", "--no-mtp")
+    with pytest.raises(ModelLoadError, match=r"architecture qwen35\) has no MTP layers \(qwen35.nextn_predict_layers"):
+        check_mlx_mtp_target(no_mtp)
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(ModelLoadError, match="no mtp"):
+        check_mlx_mtp_target(tmp_path / "bare")
+    target = MlxBackend(d)
+    drafter = MlxMtpDrafter(target)
+    cost = drafter.cost_prior()
+    assert cost.per_token_ms > 0 and cost.fixed_ms >= 0 and drafter.head.n_past == 0
 
 
 def _greedy():

@@ -159,25 +159,27 @@ class MlxMtpDrafter:
             logits = out[0]
         return chain.draft(self._synced)
 
-    def measure_ms_per_token(self, repeats: int = 8) -> float:
-        """Median ms of one draft step (a one-pair decode and its argmax), on scratch positions rolled back."""
-        if self.head.n_past + repeats + 1 > self.target.n_ctx:
-            self.reset()
-        n0 = self.head.n_past
-        h = np.zeros((1, self.tap.n_embd), np.float32)
+    def measure_ms(self, k: int, repeats: int = 8) -> float:
+        """Median ms of one MTP forward of `k` pairs and its argmax, on scratch positions rolled back."""
+        self.reset()
+        h = np.zeros((k, self.tap.n_embd), np.float32)
         times = []
         try:
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                logits, h = self.head.decode([0], h)
+                logits, _ = self.head.decode([0] * k, h, rows="last")
                 int(np.argmax(logits[0]))
                 times.append(time.perf_counter() - t0)
+                self.head.truncate(0)
         finally:
-            self.head.truncate(n0)
-        return 1000 * statistics.median(times[1:])
+            self.reset()
+        return 1000 * statistics.median(times[1:])  # the first call warms caches
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
-        return DraftCost(0.0, self.measure_ms_per_token())
+        """As drafters.mtp.MtpDrafter's: T(1) per drafted token, and once per cycle T(2) − T(1) for the
+        pairs the target confirmed, which the first step evaluates with the pending token's."""
+        t1, t2 = self.measure_ms(1), self.measure_ms(2)
+        return DraftCost(max(0.0, t2 - t1), t1)
 
     def reset(self) -> None:
         self._ctx = []
@@ -188,6 +190,25 @@ class MlxMtpDrafter:
         self.head.close()
 
 
-def open_mlx_mtp(target: Any, source: str | Path | None = None) -> MlxMtpDrafter:
-    """The registry's entry for ``--drafter mtp`` with ``--backend mlx`` (see MlxMtpDrafter)."""
-    return MlxMtpDrafter(target, source)
+def check_mlx_mtp_target(path: str | Path) -> None:
+    """Plan-time check of ``--drafter mtp --backend mlx``: one-line ModelLoadError unless `path` (a GGUF or
+    an HF / mlx-lm directory) holds a dense Qwen3.5 MTP block. Reads the header or the safetensors index
+    only (no weights)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        from edgespec.heads.mtp_mlx import hf_mtp_names
+
+        if "mtp.fc.weight" not in hf_mtp_names(p):
+            raise ModelLoadError(f"--drafter mtp: {p} has no MTP layers (no mtp.* tensors; mlx-lm's converted "
+                                 "directories drop them: use the HF checkpoint or the GGUF)")
+        return
+    from edgespec.gguf_file import read_gguf
+
+    g = read_gguf(p, keep_key=lambda k: k == "general.architecture" or k.endswith(".nextn_predict_layers"),
+                  with_tensors=False)
+    arch = g.value("general.architecture")
+    key = f"{arch}.nextn_predict_layers"
+    if not g.value(key, 0):
+        raise ModelLoadError(f"--drafter mtp: {p} (architecture {arch}) has no MTP layers ({key} is absent or 0)")
+    if arch != "qwen35":
+        raise ModelLoadError(f"--drafter mtp on MLX drafts with dense Qwen3.5 MTP blocks (qwen35), not {arch}'s ({p})")
