@@ -233,6 +233,37 @@ def test_qwen35_gguf_on_mlx(fixture, monkeypatch):
         assert engine.generate(toks, max_tokens=24, num_draft=gamma).tokens == plain.tokens, gamma
 
 
+def test_kv_sync_after_every_outcome_equals_the_reference(fixture):
+    """Every draft call's first-step logits (the MTP cache synced by common prefix after full, partial
+    and no acceptance, the target rolled back through its Gated-DeltaNet checkpoint, then new prompts)
+    equal the reference over the whole context from the target's h rows as the tap has them."""
+    _, _, d, cfg, sd = fixture
+    errs: list[float] = []
+
+    class Checked(MlxMtpDrafter):
+        def sync(self, context):
+            out = super().sync(context)
+            want = ref.context_logits(cfg, sd, list(context), self.tap.rows(0, len(context) - 1))[-1]
+            errs.append(_rel(out[0], want))
+            return out
+
+    target = MlxBackend(d)
+    drafter = Checked(target)
+    engine = Engine(target, drafter)
+    outcomes = set()
+    for text in (PROMPT, "def fib(n):", PROMPT + " fox"):
+        spec = engine.generate(target.tokenize(text, add_special=False), max_tokens=24, num_draft=3)
+        outcomes |= {"full" if n == k else "none" if n == 0 else "partial" for k, n in spec.stats.cycles if k}
+    print(f"{len(errs)} syncs, max {max(errs):.1e} of the range; outcomes {sorted(outcomes)}")
+    assert max(errs) <= TOL and outcomes == {"full", "partial", "none"}
+    # and the tap's rows after all those rollbacks are those of one fresh evaluation
+    held = drafter._ctx[: target.n_past]
+    fresh = MlxBackend(d)
+    tap = MlxMtpDrafter(fresh).tap
+    fresh.eval(held, rows="none")
+    assert np.abs(drafter.tap.rows(0, len(held)) - tap.rows(0, len(held))).max() <= 1e-5
+
+
 def test_mtp_needs_mtp_weights(fixture, tmp_path):
     """A checkpoint without mtp.* tensors (what mlx-lm's converter writes) is refused in one line."""
     _, _, d, _, _ = fixture
