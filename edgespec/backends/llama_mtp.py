@@ -90,8 +90,9 @@ def _api() -> ExtApi:
 
 
 class LlamaMtpTarget(LlamaCppBackend):
-    """A llama.cpp target loaded with its MTP layers that keeps, for every evaluated position p, the
-    hidden row h_p the MTP head reads (``hidden(start, stop)``), rolled back with the KV cache.
+    """A llama.cpp target loaded with its MTP layers (if it has any) that keeps, for every evaluated
+    position p, the hidden row h_p an MTP head or a Gemma-4 assistant reads (``hidden(start, stop)``),
+    rolled back with the KV cache. (``check_mtp_target`` is the planner's check that an MTP head exists.)
 
     The cost over a plain target: the nextn rows are copied out of every forward (n_embd floats a
     token), and the last trunk layer's FFN and norm run for every token of a prompt chunk (not only
@@ -99,9 +100,10 @@ class LlamaMtpTarget(LlamaCppBackend):
     """
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        self.arch, self.n_nextn = check_mtp_target(Path(path).expanduser())
         self._ext = _api()
         super().__init__(path, **kwargs)
+        self.arch = self.metadata("general.architecture") or "?"
+        self.n_nextn = self._ll.llama_model_n_layer_nextn(self._model)
         self.n_embd = self._ll.llama_model_n_embd_out(self._model)
         self._ext.set_nextn(self._ctx, True, False)  # every token's row, not only the outputs'
         self._h = FeatureStore(self.n_embd)
@@ -127,9 +129,69 @@ class LlamaMtpTarget(LlamaCppBackend):
         return self._h.rows(start, stop)
 
 
-class LlamaMtpContext(LlamaHandles):
+class _NextnContext(LlamaHandles):
+    """A draft context reading (token, h row) pairs, with one reused ext batch (LlamaHandles frees the
+    context and batch; ``_model`` only where it is this context's own)."""
+
+    n_embd: int
+    n_vocab: int
+    n_batch: int
+
+    def _start(self, model: Any, target: LlamaMtpTarget, kv_type: str | None, threads: int | None,
+               ctx_other: Any = None) -> Any:
+        """Create the context (ctx_type MTP) on `model`, sized like `target`'s; None if refused."""
+        ll = self._ll
+        self._api = _api()
+        self.n_embd, self.n_vocab, self.n_batch = target.n_embd, target.n_vocab, target.n_batch
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = target.n_ctx
+        cp.n_batch = cp.n_ubatch = target.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = threads or target.threads
+        cp.type_k = cp.type_v = KV_TYPES[kv_type or target.kv_type]
+        cp.ctx_type = LLAMA_CONTEXT_TYPE_MTP
+        cp.no_perf = True
+        if ctx_other is not None:
+            cp.ctx_other = ctx_other
+        self._ctx = ll.llama_init_from_model(model, cp)
+        if self._ctx:
+            self._api.set_nextn(self._ctx, True, False)
+            self._mem = ll.llama_get_memory(self._ctx)
+            self._batch, self._free_batch = ll.llama_batch_ext_init(self._ctx), ll.llama_batch_ext_free
+            self._pos = (ll.llama_pos * 4)()
+        return self._ctx
+
+    def _run(self, tokens: list[int], h: F32, pos0: int) -> tuple[F32, F32]:
+        """One llama_process of the pairs (tokens[i], h[i]) at positions pos0+i; the LAST pair's logits
+        (V,) and its own h_nextn (n_embd,), both copied."""
+        ll, n = self._ll, len(tokens)
+        if n == 0 or n > self.n_batch or h.shape != (n, self.n_embd) or h.dtype != np.float32:
+            raise ValueError(f"a draft forward takes 1..{self.n_batch} tokens and ({n}, {self.n_embd}) float32 rows "
+                             f"(got {n} and {h.shape} {h.dtype})")
+        h = np.ascontiguousarray(h)
+        base = h.ctypes.data
+        f32p = ctypes.POINTER(ctypes.c_float)
+        ll.llama_batch_ext_clear(self._batch)
+        for i, tok in enumerate(tokens):
+            idx = ll.llama_batch_ext_add_token(self._batch, 0, int(tok))
+            self._pos[0] = pos0 + i
+            embd = ll.llama_embd(ctypes.cast(base + 4 * i * self.n_embd, f32p), 1, self.n_embd)
+            if (idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, self._pos)
+                    or not ll.llama_batch_ext_set_embd_token(self._batch, idx, embd)):
+                raise BackendError(f"cannot add draft pair {i} (token {tok}) to the batch ({idx})")
+            if i == n - 1:
+                ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+        rc = ll.llama_process(self._ctx, DECODE, self._batch)
+        if rc != 0:
+            raise BackendError(f"llama_process (draft) returned {rc} for {n} pairs at position {pos0}")
+        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, n - 1), shape=(self.n_vocab,)).copy()
+        h_out = np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, n - 1), shape=(self.n_embd,)).copy()
+        return logits, h_out
+
+
+class LlamaMtpContext(_NextnContext):
     """The MTP draft context: ``ctx_type`` MTP on the target's own model (not freed here), a KV cache
-    of ``n_past`` positions on sequence 0 and one reused ext batch.
+    of ``n_past`` positions on sequence 0.
 
     Args:
         target: the LlamaMtpTarget (must outlive this context).
@@ -139,28 +201,11 @@ class LlamaMtpContext(LlamaHandles):
 
     def __init__(self, target: LlamaMtpTarget, *, kv_type: str | None = None, threads: int | None = None) -> None:
         super().__init__()
-        ll = self._ll
-        self._api = _api()
-        self._target, self._tmodel = target, target.llama_model  # LlamaHandles.close frees _model: not ours
-        self.n_embd, self.n_vocab = target.n_embd, target.n_vocab
-        cp = ll.llama_context_default_params()
-        cp.n_ctx = target.n_ctx
-        cp.n_batch = cp.n_ubatch = target.n_batch
-        cp.n_seq_max = 1
-        cp.n_threads = cp.n_threads_batch = threads or target.threads
-        cp.type_k = cp.type_v = KV_TYPES[kv_type or target.kv_type]
-        cp.ctx_type = LLAMA_CONTEXT_TYPE_MTP
-        cp.no_perf = True
-        self._ctx = ll.llama_init_from_model(self._tmodel, cp)
-        if not self._ctx:
+        self._target = target  # its model is the one this context runs on: LlamaHandles must not free it
+        if not self._start(target.llama_model, target, kv_type, threads):
             self.close()
             raise ModelLoadError(f"cannot create the MTP draft context of {target.path} (llama_init_from_model "
                                  f"with ctx_type MTP refused it; run with --verbose for llama.cpp's log)")
-        self._api.set_nextn(self._ctx, True, False)
-        self.n_batch = target.n_batch
-        self._mem = ll.llama_get_memory(self._ctx)
-        self._batch, self._free_batch = ll.llama_batch_ext_init(self._ctx), ll.llama_batch_ext_free
-        self._pos = (ll.llama_pos * 4)()
         self._n_past = 0
 
     @property
@@ -168,34 +213,14 @@ class LlamaMtpContext(LlamaHandles):
         return self._n_past
 
     def decode(self, tokens: list[int], h: F32) -> tuple[F32, F32]:
-        """Append the pairs (tokens[i], h[i]) at positions n_past+i; the LAST pair's logits (V,) and
-        its own h_nextn (n_embd,), the h the next draft position pairs with (both copied).
-        ``h`` (n, n_embd) must stay unchanged until this returns."""
-        ll, n = self._ll, len(tokens)
-        if n == 0 or n > self.n_batch or h.shape != (n, self.n_embd) or h.dtype != np.float32:
-            raise ValueError(f"decode takes 1..{self.n_batch} tokens and ({n}, {self.n_embd}) float32 rows "
-                             f"(got {n} and {h.shape} {h.dtype})")
-        h = np.ascontiguousarray(h)
-        base = h.ctypes.data
-        f32p = ctypes.POINTER(ctypes.c_float)
-        ll.llama_batch_ext_clear(self._batch)
-        for i, tok in enumerate(tokens):
-            idx = ll.llama_batch_ext_add_token(self._batch, 0, int(tok))
-            self._pos[0] = self._n_past + i
-            embd = ll.llama_embd(ctypes.cast(base + 4 * i * self.n_embd, f32p), 1, self.n_embd)
-            if (idx < 0 or not ll.llama_batch_ext_set_pos(self._batch, idx, self._pos)
-                    or not ll.llama_batch_ext_set_embd_token(self._batch, idx, embd)):
-                raise BackendError(f"cannot add MTP pair {i} (token {tok}) to the batch ({idx})")
-            if i == n - 1:
-                ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
-        rc = ll.llama_process(self._ctx, DECODE, self._batch)
-        if rc != 0:
-            ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
-            raise BackendError(f"llama_process(MTP) returned {rc} for {n} pairs at position {self._n_past}")
-        self._n_past += n
-        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, n - 1), shape=(self.n_vocab,)).copy()
-        h_out = np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, n - 1), shape=(self.n_embd,)).copy()
-        return logits, h_out
+        """Append the pairs (tokens[i], h[i]) at positions n_past+i; the last pair's logits and h."""
+        try:
+            out = self._run(tokens, h, self._n_past)
+        except BackendError:
+            self._ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
+            raise
+        self._n_past += len(tokens)
+        return out
 
     def truncate(self, n_past: int) -> None:
         """Drop the KV entries of positions >= n_past."""
@@ -204,3 +229,30 @@ class LlamaMtpContext(LlamaHandles):
         if not self._ll.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise BackendError(f"llama_memory_seq_rm could not roll the MTP context back to {n_past}")
         self._n_past = n_past
+
+
+class LlamaAssistantContext(_NextnContext):
+    """A Gemma-4 assistant on llama.cpp: its own model, a context whose ``ctx_other`` is the target's
+    (llama.cpp shares the target's KV cache of its last sliding-window and full-attention layers with
+    it: src/llama-model.cpp), so it keeps no positions of its own. Every draft step is one pair at
+    the target's next position (common/speculative.cpp, ``is_mem_shared``).
+
+    Args:
+        path: the assistant GGUF (arch ``gemma4-assistant``).
+        target: the LlamaMtpTarget (must outlive this context).
+        threads: CPU threads (default: the target's).
+    """
+
+    def __init__(self, path: str | os.PathLike, target: LlamaMtpTarget, *, threads: int | None = None) -> None:
+        super().__init__()
+        p = Path(path).expanduser()
+        self._target = target
+        self._load_model(p, self._ll.llama_model_default_params(), "load the assistant")
+        if not self._start(self._model, target, None, threads, ctx_other=target.llama_context):
+            self.close()
+            raise ModelLoadError(f"cannot create the assistant context of {p} on {target.path} (run with --verbose "
+                                 f"for llama.cpp's log)")
+
+    def step(self, token: int, h: F32) -> tuple[F32, F32]:
+        """The pair (token, h (n_embd,)) at the target's next position: logits (V,) and the next h."""
+        return self._run([token], h[None], self._target.n_past)
