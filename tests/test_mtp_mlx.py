@@ -224,13 +224,17 @@ def test_qwen35_gguf_on_mlx(fixture, monkeypatch):
             lc = c.eval(toks, rows="all")
         print(f"qwen35 GGUF on MLX vs llama.cpp: {_rel(la, lc):.1e} of the range")
         assert _rel(la, lc) <= 1e-4 and (la.argmax(1) == lc.argmax(1)).all()
-    drafter = MlxMtpDrafter(a)  # its MTP block from the GGUF the target was opened from
-    assert drafter.paths == (str(gguf_path),)
-    engine = Engine(a, drafter)
-    a.truncate(0)
-    plain = engine.generate(toks, max_tokens=24, speculative=False)
-    for gamma in (3, "auto"):
-        assert engine.generate(toks, max_tokens=24, num_draft=gamma).tokens == plain.tokens, gamma
+    a.close(), b.close()
+    import edgespec
+
+    for spec in ("mtp", "ngram,mtp"):  # through the registry, alone and in a chain
+        with edgespec.load(gguf_path, drafter=spec, backend="mlx") as engine:
+            mtp = engine.drafter.members[1] if spec != "mtp" else engine.drafter
+            assert isinstance(mtp, MlxMtpDrafter) and mtp.paths == (str(gguf_path),)  # its block from the GGUF
+            plain = engine.generate(toks, max_tokens=24, speculative=False)
+            for gamma in (3, "auto"):
+                spec_gen = engine.generate(toks, max_tokens=24, num_draft=gamma)
+                assert spec_gen.tokens == plain.tokens, (spec, gamma)
 
 
 def test_kv_sync_after_every_outcome_equals_the_reference(fixture):

@@ -74,6 +74,10 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
             from edgespec.backends.llama_mtp import check_mtp_target
 
             check_mtp_target(target)
+        elif target is not None and backend == "mlx":
+            from edgespec.drafters.mtp_mlx import check_mlx_mtp_target
+
+            check_mlx_mtp_target(target)
         return DrafterPlan(text, "mtp")
     if text == "ngram" or text.startswith("ngram:"):
         usage = "use 'ngram', 'ngram:N_MAX' or 'ngram:N_MAX:N_MIN' with whole numbers (e.g. ngram:4:2)"
@@ -132,6 +136,8 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
     check_backend(backend)
+    if mtp and backend == "mlx" and layers is None:
+        mtp = False  # drafters.mtp_mlx taps a plain MlxBackend
     if mtp:
         if layers is not None or backend != "llama.cpp":
             raise EdgespecError(f"--drafter mtp runs on llama.cpp without a feature head (backend {backend!r}, "
@@ -263,7 +269,12 @@ def _chain(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, opt
 
 
 def _mtp(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
-    """The target's MTP head (the target opened with `open_backend(..., mtp=True)`)."""
+    """The target's MTP head (on llama.cpp the target opened with `open_backend(..., mtp=True)`; on MLX a
+    plain target whose final norm the drafter taps)."""
+    if backend == "mlx":
+        from edgespec.drafters.mtp_mlx import MlxMtpDrafter
+
+        return MlxMtpDrafter(target)
     from edgespec.drafters.mtp import MtpDrafter
 
     return MtpDrafter(target, options.get("threads"))  # type: ignore[arg-type]  # checked there
