@@ -65,8 +65,9 @@ class Plan:
 
     @property
     def mtp(self) -> bool:
-        """Whether a drafter reads the target's MTP layers (the target opens with them: drafters.mtp)."""
-        return any(m.kind == "mtp" for d in self.drafters for m in d.parts)
+        """Whether a drafter reads the target's MTP layers or hidden rows (the target opens with them:
+        drafters.mtp, drafters.assistant)."""
+        return any(m.kind in ("mtp", "assistant") for d in self.drafters for m in d.parts)
 
 
 def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,

@@ -211,6 +211,9 @@ def convert_qwen35(hf_dir: Path, out: Path, *flags: str) -> Path:
     return out
 
 
+convert_hf = convert_qwen35  # the same runner converts any checkpoint the vendored converter takes
+
+
 def build_qwen35_mtp(root: Path, **weights: float) -> tuple[Path, Path]:
     """Write the HF checkpoint under ``root/qwen35-mtp-hf`` and convert it to ``root/qwen35-mtp-f32.gguf``.
 

@@ -82,6 +82,44 @@ def check_mtp_target(path: str | os.PathLike) -> tuple[str, int]:
     return arch, n
 
 
+ASSISTANT_ARCHS = {"gemma4-assistant": "gemma4"}  # an assistant's arch -> the target arch it drafts for
+
+
+def check_assistant(path: str | os.PathLike, target: str | os.PathLike | None) -> bool:
+    """Whether `path` is a Gemma-4 assistant GGUF (read from its header); one-line MtpUnavailableError
+    when it does not fit `target`: the target's architecture, hidden size or vocabulary differ."""
+    p = Path(path).expanduser()
+    if not p.is_file():  # "ngram", a model name
+        return False
+    from edgespec.gguf_file import read_gguf
+
+    try:  # the header's architecture only: every draft model's file passes here
+        arch = read_gguf(p, lambda k: k == "general.architecture", with_tensors=False).value("general.architecture")
+    except (ValueError, OSError):
+        return False
+    if arch not in ASSISTANT_ARCHS or target is None:
+        return arch in ASSISTANT_ARCHS
+    try:
+        a = read_gguf(p, lambda k: k.startswith((f"{arch}.", "tokenizer.ggml.tokens")), with_tensors=False)
+        t = read_gguf(target, lambda k: k == "general.architecture" or k.endswith(".embedding_length")
+                      or k == "tokenizer.ggml.tokens", with_tensors=False)
+    except (ValueError, OSError):
+        return True  # the backend reports what is wrong with the target file
+    t_arch, want = t.value("general.architecture"), ASSISTANT_ARCHS[arch]
+    if t_arch != want:
+        raise MtpUnavailableError(f"assistant {p} ({arch}) drafts for a {want} target; {target} is {t_arch}")
+    width, n_embd = a.value(f"{arch}.embedding_length_out"), t.value(f"{t_arch}.embedding_length")
+    if width != n_embd:
+        raise MtpUnavailableError(f"assistant {p} reads {width}-wide target rows ({arch}.embedding_length_out); "
+                                  f"{target} is {n_embd} wide: it was made for another {want} size")
+    a_tok, t_tok = a.value("tokenizer.ggml.tokens") or [], t.value("tokenizer.ggml.tokens") or []
+    if a_tok != t_tok:
+        first = next((i for i, (x, y) in enumerate(zip(a_tok, t_tok)) if x != y), min(len(a_tok), len(t_tok)))
+        raise MtpUnavailableError(f"assistant {p} and target {target}: vocabularies differ ({len(a_tok)} vs "
+                                  f"{len(t_tok)} tokens, first difference at id {first})")
+    return True
+
+
 def _api() -> ExtApi:
     api = ext_api()
     if api is None:

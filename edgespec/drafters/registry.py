@@ -35,7 +35,7 @@ class DrafterPlan:
     """A drafter spec, read once: what `open_drafter` opens."""
 
     spec: str  # as the user named it (messages and bench configs quote it)
-    kind: str  # "ngram", "history", "model", "head", "mtp" or "chain"
+    kind: str  # "ngram", "history", "model", "head", "mtp", "assistant" or "chain"
     path: Path | None = None  # a draft model's file (or MLX directory); a head's GGUF
     numbers: tuple[int, ...] = ()  # ngram: N_MAX[, N_MIN]; history: MAX_TOKENS
     corpus: Path | None = None  # history's corpus file
@@ -92,6 +92,12 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
         if path is not None and not path.is_file():
             raise EdgespecError(f"history corpus file {corpus} not found")
         return DrafterPlan(text, "history", numbers=numbers, corpus=path)
+    from edgespec.backends.llama_mtp import check_assistant
+
+    if check_assistant(spec, target):  # a Gemma-4 assistant: drafts from the target's KV cache (drafters.assistant)
+        if backend != "llama.cpp":
+            raise EdgespecError(f"the Gemma-4 assistant {text} drafts on llama.cpp only (not --backend {backend})")
+        return DrafterPlan(text, "assistant", Path(spec).expanduser())
     spec = converted(spec, target)
     head = read_head(spec)
     if head is not None:
@@ -280,5 +286,14 @@ def _mtp(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, optio
     return MtpDrafter(target, options.get("threads"))  # type: ignore[arg-type]  # checked there
 
 
+def _assistant(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
+    """A Gemma-4 assistant on the target's context (the target opened with `open_backend(..., mtp=True)`)."""
+    from edgespec.drafters.assistant import AssistantDrafter
+
+    assert plan.path is not None
+    return AssistantDrafter(plan.path, target, options.get("threads"))  # type: ignore[arg-type]  # checked there
+
+
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
-                                                "model": _draft_model, "chain": _chain, "mtp": _mtp}
+                                                "model": _draft_model, "chain": _chain, "mtp": _mtp,
+                                                "assistant": _assistant}
