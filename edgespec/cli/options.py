@@ -89,7 +89,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                 "'history' (lookup in earlier prompts and replies too: 'history\\[:MAX_TOKENS]\\[@CORPUS]'), "  # \[: not rich markup
                                 "a same-vocabulary GGUF path or model name, "
                                 "a head GGUF (EAGLE-3, DFlash, DSpark), 'mtp' (the target's own MTP layers: a "
-                                "Qwen3.5/3.6 GGUF that kept them), 'none', or a chain of these separated by "
+                                "Qwen3.5/3.6 GGUF that kept them), a Gemma-4 assistant GGUF, 'none', or a chain of "
+                                "these separated by "
                                 "commas ('ngram,MODEL': each cycle verifies the best member's proposal)."),
     "backend": (("--backend",), "Runtime: 'llama.cpp' or 'mlx' (mlx-lm models; a GGUF target/drafter is "
                                 "converted to MLX once and cached; needs `pip install 'edgespec\\[mlx]'`)."),  # \[: not rich markup
