@@ -1,5 +1,6 @@
-"""The llama.cpp side of MTP ("nextn") drafting: a target that keeps its nextn hidden rows, and the
-MTP draft context on the same model.
+"""The llama.cpp side of MTP ("nextn") drafting: a target that keeps its nextn hidden rows, the MTP
+draft context on the same model, and a Gemma-4 assistant's context on the target's (drafters.mtp,
+drafters.assistant).
 
 Upstream facts (llama-cpp-python 0.3.36 sdist, vendor/llama.cpp = ggml-org/llama.cpp@0c1e57098 per its
 CHANGELOG):
@@ -16,9 +17,10 @@ CHANGELOG):
 * src/llama-ext.h: ``llama_set_embeddings_nextn``, ``llama_get_embeddings_nextn(_ith)``: exported
   only under C++-mangled names (bound in backends/llama_features.py's ``ExtApi``).
 * src/llama-context.cpp: with ``masked=true`` the extracted rows are the FIRST n_outputs rows of
-  the graph's h tensor, not those of the output tokens; the draft context here therefore runs
-  unmasked too (rows by batch index), so that a catch-up batch and the first draft step can share
-  one forward.
+  the graph's h tensor, and qwen35's MTP graph sets that tensor before it selects the output rows,
+  so a batch whose only output is its last pair would get its first pair's row; the draft context
+  here therefore runs unmasked too (rows by batch index), so that a catch-up batch and the first
+  draft step can share one forward.
 
 ``MTP_ARCHS`` lists the architectures whose src/models/*.cpp build a ``LLM_GRAPH_TYPE_DECODER_MTP``
 graph in this libllama. Only qwen35 is exercised here (tests/mtp_fixtures.py); several nextn blocks
