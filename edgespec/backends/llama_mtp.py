@@ -18,7 +18,8 @@ CHANGELOG):
   only under C++-mangled names (bound in backends/llama_features.py's ``ExtApi``).
 * src/llama-context.cpp: with ``masked=true`` the extracted rows are the FIRST n_outputs rows of
   the graph's h tensor, and qwen35's MTP graph sets that tensor before it selects the output rows,
-  so a batch whose only output is its last pair would get its first pair's row; the draft context
+  so a batch whose only output is its last pair gets its first pair's row (measured on the fixture:
+  equal to 5e-7, and 4.06 away from the last pair's); the draft context
   here therefore runs unmasked too (rows by batch index), so that a catch-up batch and the first
   draft step can share one forward.
 
