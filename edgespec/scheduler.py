@@ -138,6 +138,13 @@ class Decision:
     probe: bool = False
     seconds: float = 0.0  # time the decision itself took (plan + cut, not drafting)
     member: str | None = None  # a chain's member whose proposal is verified (drafters.chain)
+    draft_ms: float = 0.0  # the part of `ms` spent drafting (sunk once the draft is made)
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per ms still to spend once the draft is made (verification, rollback)."""
+        left = self.ms - self.draft_ms
+        return self.tokens / left if left > 0 else 0.0
 
 
 @dataclass
@@ -270,7 +277,7 @@ class Scheduler:
         seconds += time.perf_counter() - t1
         ms = t_draft[self._drafted] + t_verify[g + 1] + expected_rollback(
             self._survival(d.confidence, g), g, self._rollback)
-        return d, Decision(g, tokens, ms, probe, seconds)
+        return d, Decision(g, tokens, ms, probe, seconds, draft_ms=t_draft[self._drafted])
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
                 context: int | None = None, rollback: float = 0.0) -> None:

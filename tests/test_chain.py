@@ -4,6 +4,7 @@ alone. Greedy equality and the sampled distribution test with a chain are in tes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ from edgespec.drafters.ngram import NgramDrafter
 from edgespec.drafters.registry import open_drafter, plan_drafter
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams
-from edgespec.scheduler import K_MAX, CostModel, Scheduler
+from edgespec.scheduler import K_MAX, Acceptance, CostModel, Scheduler
 
 GREEDY = SamplingParams()
 
@@ -185,3 +186,44 @@ def test_a_chain_is_never_worse_than_its_best_member_alone(regime, slope, draft_
         speed[name] = _simulate(drafter, sched, truth, start, t_verify, draft_ms)
     assert speed["chain"] >= 0.99 * max(speed["copier"], speed["model"]), (regime, speed)
 
+
+
+class _Slow:
+    """A costly drafter that takes `seconds` and proposes one token it has little confidence in."""
+
+    name = "slow"
+    paths = ("slow.gguf",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        self.calls += 1
+        time.sleep(self.seconds)
+        return Draft([9] * gamma, None, [0.3] * gamma)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_member_learns_its_own_drafting_time_and_a_sunk_draft_is_not_held_against_it():
+    """A costly member that drafted and lost must not charge its time to the verified free member (that
+    made n-gram "costly" for good in a chain); a drafted proposal competes on what verifying it still costs."""
+    t = [0.0] + [10.0 + 0.5 * (k - 1) for k in range(1, K_MAX + 2)]
+    costs = {k: t[k] for k in range(1, K_MAX + 1)}
+    free, slow = _Fixed("free", [1, 2]), _Slow(0.02)
+    s_free, s_slow = Scheduler(CostModel(costs)), Scheduler(CostModel(costs, draft_per_token_ms=3.0))
+    s_free.by_run = [Acceptance(prior=0.5, strength=1e9) for _ in range(6)]  # E[tokens] 1.75 for 2 drafts
+    s_free.run, s_free._recent = 100, 1.0
+    chain = ChainScheduler([(free, s_free), (slow, s_slow)])
+    for _ in range(3):
+        t0 = time.perf_counter()
+        d, dec = chain.draft(DrafterChain([free, slow]), [0, 1, 2], 8, GREEDY, np.random.default_rng(0))
+        t_draft = time.perf_counter() - t0 - dec.seconds  # as the engine times it: the whole chain
+        # the slow member's plan (≈1.4 tokens at 3 ms a draft) beat the free proposal, so it drafted;
+        # its draft, cut by its low confidence, then verifies worse than the free one
+        assert dec.member == "free" and d.tokens == [1, 2] and t_draft >= 0.02
+        chain.observe(d, 2, t_draft, t[3] / 1000)
+        chain.emitted([1, 2, 5])
+    assert slow.calls == 3
+    assert s_free.free and s_free.cost.t_draft()[1] < 1.0  # the free member's cost is its own (µs), not 20 ms

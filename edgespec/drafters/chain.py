@@ -23,6 +23,7 @@ scored in shadow, as when they run alone). A member's scheduler is the one it ha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -86,30 +87,39 @@ class ChainScheduler:
 
     schedulers: list[tuple[Drafter, Scheduler]]
     chosen: Scheduler | None = None  # the member whose draft the current cycle verifies (None: plain)
+    others_s: float = 0.0  # the cycle's drafting time spent by members whose proposal is not verified
     by_member: dict[str, int] = field(default_factory=dict)  # cycles verified per member's name
 
     def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
-        best: tuple[float, Scheduler | None, Draft, Decision] | None = None
+        best: tuple[float, Scheduler | None, Draft, Decision, float] | None = None  # (rate, who, ..., seconds)
         costly: tuple[float, Drafter, Scheduler] | None = None
+        spent = 0.0
         for m, s in self.schedulers:
             if not s.free:
                 _, rate = s.plan(len(context) - 1, limit)
                 if costly is None or rate > costly[0]:
                     costly = (rate, m, s)
                 continue
+            t0 = time.perf_counter()
             d, dec = s.draft(m, context, limit, params, rng)
-            rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
-            if best is None or (d.tokens and rate > best[0]):
-                best = (rate, s if d.tokens else None, d, dec)
+            seconds = time.perf_counter() - t0 - dec.seconds
+            spent += seconds
+            if best is None or (d.tokens and dec.rate > best[0]):
+                best = (dec.rate, s if d.tokens else None, d, dec, seconds)
+        # a costly member drafts only if its plan, paying for the drafting, beats what is already drafted
         if costly is not None and (best is None or costly[0] > best[0]):
+            t0 = time.perf_counter()
             d, dec = costly[2].draft(costly[1], context, limit, params, rng)
-            rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
-            # a probe is verified whatever it promises (that is how its scheduler learns)
-            if best is None or (d.tokens and (dec.probe or rate > best[0])):
-                best = (rate, costly[2] if d.tokens else None, d, dec)
+            # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
+            # is verified whatever it promises (that is how its scheduler learns)
+            seconds = time.perf_counter() - t0 - dec.seconds
+            spent += seconds
+            if best is None or (d.tokens and (dec.probe or dec.rate > best[0])):
+                best = (dec.rate, costly[2] if d.tokens else None, d, dec, seconds)
         assert best is not None
-        _, self.chosen, d, dec = best
+        _, self.chosen, d, dec, own = best
+        self.others_s = spent - own
         if self.chosen is not None:
             dec.member = next(m.name for m, s in self.schedulers if s is self.chosen)
             self.by_member[dec.member] = self.by_member.get(dec.member, 0) + 1
@@ -117,10 +127,13 @@ class ChainScheduler:
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
                 context: int | None = None, rollback: float = 0.0) -> None:
-        """The verified member learns from its cycle; after a plain step, every member does (each
-        would have seen one alone)."""
-        chosen = [self.chosen] if self.chosen is not None else [s for _, s in self.schedulers]
-        for s in chosen:
+        """The verified member learns from its cycle, its cost from `t_draft` (the whole chain's drafting)
+        less the other members' time; after a plain step, every member does (each would have seen one
+        alone)."""
+        if self.chosen is not None:
+            self.chosen.observe(draft, accepted, max(0.0, t_draft - self.others_s), t_verify, context, rollback)
+            return
+        for _, s in self.schedulers:
             s.observe(draft, accepted, t_draft, t_verify, context, rollback)
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist | np.ndarray] | None = None) -> None:
