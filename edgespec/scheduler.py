@@ -213,10 +213,13 @@ class Scheduler:
         """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
         return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
 
-    def plan(self, context: int, limit: int) -> tuple[int, float]:
+    def plan(self, context: int, limit: int, extra_ms: float = 0.0) -> tuple[int, float]:
         """The γ ≤ `limit` this drafter would verify after `context` cached tokens, before drafting
-        (confidences not known yet), and its expected rate in tokens per ms (γ 0: a plain step's)."""
+        (confidences not known yet), and its expected rate in tokens per ms (γ 0: a plain step's);
+        `extra_ms` more for any draft (a chain member's mean catch-up on tokens others drafted)."""
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
+        if extra_ms:
+            t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
         gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, K_MAX - 1, max(SLOW_START, 2 * self.run))],
                                  t_draft, t_verify, self.cost.t_rollback(context))

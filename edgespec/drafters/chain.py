@@ -33,6 +33,8 @@ from edgespec.drafters.base import Draft, DraftCost, Drafter
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import Decision, Scheduler
 
+LAG_WEIGHT = 0.2  # weight of the newest lag in a costly member's running mean
+
 
 class DrafterChain:
     """Several drafters behind one (the members, in the order named). At a fixed γ the first non-empty
@@ -89,15 +91,24 @@ class ChainScheduler:
     chosen: Scheduler | None = None  # the member whose draft the current cycle verifies (None: plain)
     others_s: float = 0.0  # the cycle's drafting time spent by members whose proposal is not verified
     by_member: dict[str, int] = field(default_factory=dict)  # cycles verified per member's name
+    # per member: tokens emitted since it last drafted that it did not propose (a costly member reads
+    # them before its next draft), and their running mean at its drafts: its plan pays for that mean,
+    # the catch-up a draft costs on average here (the current lag is sunk: waiting only makes it grow)
+    unseen: list[int] = field(default_factory=list)
+    lag_mean: list[float] = field(default_factory=list)
+    _own: int = 0
+
+    def __post_init__(self) -> None:
+        self.unseen, self.lag_mean = [0] * len(self.schedulers), [0.0] * len(self.schedulers)
 
     def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
         best: tuple[float, Scheduler | None, Draft, Decision, float] | None = None  # (rate, who, ..., seconds)
         costly: tuple[float, Drafter, Scheduler] | None = None
         spent = 0.0
-        for m, s in self.schedulers:
+        for i, (m, s) in enumerate(self.schedulers):
             if not s.free:
-                _, rate = s.plan(len(context) - 1, limit)
+                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i])))
                 if costly is None or rate > costly[0]:
                     costly = (rate, m, s)
                 continue
@@ -111,6 +122,9 @@ class ChainScheduler:
         if costly is not None and (best is None or costly[0] > best[0]):
             t0 = time.perf_counter()
             d, dec = costly[2].draft(costly[1], context, limit, params, rng)
+            i = [s for _, s in self.schedulers].index(costly[2])
+            self.lag_mean[i] += LAG_WEIGHT * (max(0, self.unseen[i] - 1) - self.lag_mean[i])
+            self.unseen[i] = 0
             # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
             # is verified whatever it promises (that is how its scheduler learns)
             seconds = time.perf_counter() - t0 - dec.seconds
@@ -130,6 +144,7 @@ class ChainScheduler:
         """The verified member learns from its cycle, its cost from `t_draft` (the whole chain's drafting)
         less the other members' time; after a plain step, every member does (each would have seen one
         alone)."""
+        self._own = accepted if self.chosen is not None else 0
         if self.chosen is not None:
             self.chosen.observe(draft, accepted, max(0.0, t_draft - self.others_s), t_verify, context, rollback)
             return
@@ -137,9 +152,12 @@ class ChainScheduler:
             s.observe(draft, accepted, t_draft, t_verify, context, rollback)
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist | np.ndarray] | None = None) -> None:
-        for _, s in self.schedulers:
+        for i, (_, s) in enumerate(self.schedulers):
             s.emitted(tokens, probs)
+            self.unseen[i] += len(tokens) - (self._own if s is self.chosen else 0)
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
+        """Each member's own (a costly member's scheduler prices reading the prompt)."""
+        self.unseen = [0] * len(self.schedulers)
         for _, s in self.schedulers:
             s.new_generation(n_prompt, max_tokens)
