@@ -38,6 +38,7 @@ class CostProfile:
     draft_per_token_ms: float = 0.0
     exact_batch: int | None = None  # largest k whose k-token forward gives bit-identical logits to k single steps
     context_ms: float | None = None  # ms a verified token pays per cached token beyond CONTEXT_TOKENS
+    read_ms: float | None = None  # ms per token of reading READ_TOKENS at once (a draft model's catch-up)
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
 
     def t_verify(self, k: int) -> float:
@@ -274,6 +275,33 @@ def _forward_ms(backend: Backend, tokens: Sequence[int], at: int, k: int, chunk:
     ms = (time.perf_counter() - t0) * 1000
     backend.truncate(at)
     return ms
+
+
+READ_TOKENS = 64  # a read long enough to show a batch's per-token cost (prompts are longer still)
+
+
+def read_cost(backend: Backend, note: Callable[[str], None] | None = None) -> float:
+    """ms per token when `backend` reads READ_TOKENS tokens in one forward (only the last row's
+    logits), as a draft model catches up on a prompt or on tokens another drafter proposed: cached in
+    the profile. Batched reads can cost anything from a few percent of a step per token (a GPU) to
+    half of one (a quantized model on a small CPU), so the scheduler's guess is replaced by this."""
+    path = profile_path(backend)
+    prof = load_profile(path)
+    if prof is not None and prof.read_ms is not None:
+        return prof.read_ms
+    if note:
+        note(f"timing how fast {Path(backend.path).name} reads a prompt (once per model)")
+    n = min(READ_TOKENS, backend.n_ctx - 1)
+    tokens = _timing_tokens(backend, n)
+    times = []
+    for _ in range(2):  # the first read warms up; the quicker of two
+        backend.truncate(0)
+        t0 = time.perf_counter()
+        backend.eval(tokens, rows="last")
+        times.append((time.perf_counter() - t0) * 1000 / n)
+    backend.truncate(0)
+    save_profile(path, backend, read_ms=min(times))
+    return min(times)
 
 
 def _slow(backend: Backend) -> bool:

@@ -58,17 +58,19 @@ class CostModel:
             confidence cut saves verification only, never drafting.
         ctx_ms: ms each verified token pays per cached token beyond base_context (0: none).
         recurrent: the target rolls back by checkpoint and re-evaluation (`t_rollback`).
+        catch_up_ms: a draft model's measured ms per context token it reads in a batch (its prompt,
+            tokens another drafter proposed); None: a quarter of a drafted token until one is seen.
     """
 
     def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0,
                  draft_fixed_ms: float = 0.0, block: bool = False, ctx_ms: float = 0.0,
-                 base_context: int = 64, recurrent: bool = False) -> None:
+                 base_context: int = 64, recurrent: bool = False, catch_up_ms: float | None = None) -> None:
         ks = sorted(t_forward_ms)
         self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
                               else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
         self.verify = [RobustTime() for _ in range(K_MAX + 1)]
         self.scale = RobustTime(window=9, beta=0.2)
-        self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block)
+        self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block, catch_up_ms=catch_up_ms)
         # [γ]: ms of drafting γ tokens, each starting from the prior's line (a measured prior is not
         # thrown away on one draft's timing)
         self.draft_at = [RobustTime(prior=draft_fixed_ms + g * draft_per_token_ms if g else 0.0) for g in range(K_MAX)]
@@ -89,7 +91,8 @@ class CostModel:
         `context`: ctx_ms and base_context."""
         if prior is None:
             return cls(t_forward_ms, **context)
-        return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block, **context)
+        return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block, catch_up_ms=prior.catch_up_ms,
+                   **context)
 
     def observe_verify(self, k: int, ms: float, context: int | None = None) -> None:
         """A k-token verification took ms after `context` cached tokens (None: base_context)."""
@@ -143,9 +146,13 @@ class CostModel:
 
     def t_catch_up(self, n: int) -> float:
         """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token,
-        never dearer than a drafted token: a fresh context's first forward also pays its set-up)."""
+        never dearer than a drafted token: a fresh context's first forward also pays its set-up).
+        Before any is seen: the read cost measured at load, else a quarter of a drafted token."""
         per_token = self._draft[2] - self._draft[1]
-        return n * (min(self.catch_up.value, per_token) if self.catch_up.n else per_token / 4)
+        if self.catch_up.n:
+            return n * min(self.catch_up.value, per_token)
+        prior = self.draft_prior.catch_up_ms
+        return n * (min(prior, per_token) if prior is not None else per_token / 4)
 
     def t_verify(self, context: int | None = None) -> list[float]:
         """[k] = expected ms of a k-token verification after `context` cached tokens (None:

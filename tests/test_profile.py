@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from edgespec.backends.reference import ReferenceBackend
 from edgespec.bench.profile import expected_tau
-from edgespec.calibration import CostProfile, cache_path, context_cost, time_forward
+from edgespec.calibration import READ_TOKENS, CostProfile, cache_path, context_cost, read_cost, time_forward
 
 
 def test_time_forward_covers_every_k_and_leaves_the_cache_empty():
@@ -45,6 +45,23 @@ def test_context_cost_measures_what_each_cached_token_adds():
     # ... unless a measurement was asked for (`edgespec profile`: refresh), however slow a step is
     assert context_cost(_Attending(us=5.0, step_s=0.021), far=256, repeats=1, refresh=True) == pytest.approx(
         0.005, rel=0.4)
+
+
+class _Reading(ReferenceBackend):
+    """A reference model whose forwards take a base 2 ms plus 0.1 ms per token."""
+
+    def eval(self, tokens, rows="last"):
+        import time
+
+        time.sleep(0.002 + 0.0001 * len(tokens))
+        return super().eval(tokens, rows)
+
+
+def test_read_cost_is_a_batched_reads_ms_per_token():
+    backend = _Reading(8, n_ctx=512)
+    ms = read_cost(backend)
+    assert ms == pytest.approx((2.0 + 0.1 * READ_TOKENS) / READ_TOKENS, rel=0.3)  # 0.13, not a step's 2.1
+    assert backend.n_past == 0
 
 
 def test_expected_tau_truncates_cycles_of_a_longer_draft():

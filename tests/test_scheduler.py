@@ -339,3 +339,5 @@ def test_catch_up_is_never_priced_above_a_drafted_token():
     assert cost.t_catch_up(100) == pytest.approx(100.0)  # the prior: a quarter of a drafted token
     cost.observe_draft(1, 6.0 + 30 * 12.0, synced=30)  # a fresh context's first read: set-up included
     assert cost.t_catch_up(100) == pytest.approx(400.0)  # capped at 4 ms a token
+    measured = CostModel({1: 10.0, 2: 11.0}, draft_per_token_ms=4.0, draft_fixed_ms=2.0, catch_up_ms=2.5)
+    assert measured.t_catch_up(100) == pytest.approx(250.0)  # the read cost measured at load, before any

@@ -140,6 +140,8 @@ class DraftCost:
     block: bool = False
     # a block drafter's most drafts per forward (B − 1); describes the drafter, not its price
     max_block: int | None = field(default=None, compare=False)
+    # ms per context token a draft model pays to catch up (a batched read; None: not measured)
+    catch_up_ms: float | None = None
 
 
 class HeadRunner(Protocol):

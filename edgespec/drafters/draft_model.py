@@ -95,12 +95,14 @@ class DraftModelDrafter:
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
         """The scheduler's prior: a draft model pays about its own T(1) per drafted token, and once
         per cycle T(2) − T(1) more, for reading the previous cycle's last draft with the bonus token
-        in its first step (timed once per model and cached with its cost profile)."""
+        in its first step; and what it pays per token to read a prompt or tokens it skipped (timed
+        once per model and cached with its cost profile)."""
         from edgespec import calibration
 
         t = calibration.calibrate(self.model, ks=(1, 2), budget_s=0.5, note=note)
+        read = calibration.read_cost(self.model, note=note)
         self.reset()  # timing used the draft model's KV cache
-        return DraftCost(max(0.0, t[2] - t[1]), t[1])
+        return DraftCost(max(0.0, t[2] - t[1]), t[1], catch_up_ms=read)
 
     def reset(self) -> None:
         """Forget the cached context (after something else used the model's KV cache)."""
