@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models converter demo test test-fast lint bench bench-history anchor results heads clean
+.PHONY: install models converter demo test test-fast lint bench bench-history bench-chain anchor results heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,13 @@ bench-history: models
 	$(BIN)/python bench/history_cost.py --out bench/results/history-cost
 	$(MAKE) --no-print-directory results
 
+# A drafter chain against its members alone (docs/scheduler.md "Drafter chains"), ~5 min.
+bench-chain: models
+	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
+	$(BIN)/edgespec bench --target smollm2-f32 --drafter ngram --drafter smollm2 --drafter ngram,smollm2 -k auto \
+	  --suite shipped --per-category 2 --temp 0 --ctx 4096 --no-strict --out bench/results/chain/smollm2-f32-shipped
+	$(MAKE) --no-print-directory results
+
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built
 # outside the repository, ~10 min the first time), each task's native runs followed by edgespec
 # -k auto on the same pair (paired ratios): bench/results/<pair>/native_anchor.json, then
@@ -165,6 +172,8 @@ results:
 	    -e "s|](\([a-z_0-9.]*\.png\))|]($${d#bench/}/\1)|" $$d/results.md >> $$out; \
 	done; done; \
 	[ ! -f bench/results/history-cost/results.md ] || sed -e 's|^# |## |' bench/results/history-cost/results.md >> $$out; \
+	d=bench/results/chain/smollm2-f32-shipped; [ ! -f $$d/results.md ] || sed -e "s|^# edgespec bench — |## Chain ngram,smollm2 vs its members: |" \
+	  -e 's|^## temperature|### temperature|' -e "s|](\([a-z_0-9.]*\.png\))|]($${d#bench/}/\1)|" $$d/results.md >> $$out; \
 	for f in bench/results/server-anchor/*.json; do [ -f $$f ] || continue; \
 	  printf '\n## Anchor: llama-server n-gram types vs edgespec serve (%s)\n\n' $$(basename $$f .json) >> $$out; \
 	  $$py bench/anchors/server_report.py $$f | sed -e 's|^### |### |' >> $$out; \
