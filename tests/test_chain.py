@@ -227,3 +227,29 @@ def test_a_member_learns_its_own_drafting_time_and_a_sunk_draft_is_not_held_agai
         chain.emitted([1, 2, 5])
     assert slow.calls == 3
     assert s_free.free and s_free.cost.t_draft()[1] < 1.0  # the free member's cost is its own (µs), not 20 ms
+
+
+def test_a_member_judged_off_still_probes_where_no_free_member_proposes():
+    """Alone, a costly drafter the scheduler turned off probes again once plain steps have paid for it;
+    in a chain whose free member has nothing to propose it must do the same (not stay off for good)."""
+    t = [0.0] + [10.0 + 0.5 * (k - 1) for k in range(1, K_MAX + 2)]
+    costs = {k: t[k] for k in range(1, K_MAX + 1)}
+
+    def losing() -> Scheduler:
+        s = Scheduler(CostModel(costs, draft_per_token_ms=3.0))
+        s.by_run = [Acceptance(prior=0.05, strength=1e9) for _ in range(6)]
+        return s
+
+    probes = {}
+    for name in ("alone", "chain"):
+        free, slow, s_slow = _Fixed("free", []), _Slow(0.0), losing()
+        sched = s_slow if name == "alone" else ChainScheduler([(free, Scheduler(CostModel(costs))), (slow, s_slow)])
+        drafter = slow if name == "alone" else DrafterChain([free, slow])
+        n = 0
+        for step in range(400):
+            d, dec = sched.draft(drafter, list(range(step + 3)), 8, GREEDY, np.random.default_rng(0))
+            n += dec.probe
+            sched.observe(d, 0, 0.0, t[len(d.tokens) + 1] / 1000)
+            sched.emitted([7])
+        probes[name] = (n, slow.calls)
+    assert probes["alone"][0] > 0 and probes["chain"] == probes["alone"], probes

@@ -118,13 +118,15 @@ class ChainScheduler:
             spent += seconds
             if best is None or (d.tokens and dec.rate > best[0]):
                 best = (dec.rate, s if d.tokens else None, d, dec, seconds)
-        # a costly member drafts only if its plan, paying for the drafting, beats what is already drafted
-        if costly is not None and (best is None or costly[0] > best[0]):
+        # a costly member drafts only if its plan, paying for the drafting, beats what is already drafted;
+        # where nothing is, it is asked as if alone (a member judged off still probes when its turn comes)
+        if costly is not None and (best is None or costly[0] > best[0] or not best[2].tokens):
             t0 = time.perf_counter()
             d, dec = costly[2].draft(costly[1], context, limit, params, rng)
-            i = [s for _, s in self.schedulers].index(costly[2])
-            self.lag_mean[i] += LAG_WEIGHT * (max(0, self.unseen[i] - 1) - self.lag_mean[i])
-            self.unseen[i] = 0
+            if dec.gamma or d.tokens:  # it read what it had missed
+                i = [s for _, s in self.schedulers].index(costly[2])
+                self.lag_mean[i] += LAG_WEIGHT * (max(0, self.unseen[i] - 1) - self.lag_mean[i])
+                self.unseen[i] = 0
             # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
             # is verified whatever it promises (that is how its scheduler learns)
             seconds = time.perf_counter() - t0 - dec.seconds
