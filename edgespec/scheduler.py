@@ -213,10 +213,13 @@ class Scheduler:
         """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
         return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
 
-    def plan(self, context: int, limit: int, extra_ms: float = 0.0) -> tuple[int, float]:
+    def plan(self, context: int, limit: int, extra_ms: float = 0.0, baseline_ms: float | None = None
+             ) -> tuple[int, float]:
         """The γ ≤ `limit` this drafter would verify after `context` cached tokens, before drafting
         (confidences not known yet), and its expected rate in tokens per ms (γ 0: a plain step's);
-        `extra_ms` more for any draft (a chain member's mean catch-up on tokens others drafted)."""
+        `extra_ms` more for any draft (a chain member's mean catch-up on tokens others drafted);
+        `baseline_ms`: the ms per token its drafts must save against to pay for reading what it has not
+        (None: a plain step's; a chain's, without its costly members)."""
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
         if extra_ms:
             t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
@@ -226,20 +229,21 @@ class Scheduler:
         if gamma and not self.free and self._lag > 1 and self._left is not None and rate > 0:
             # a drafter that has yet to read the prompt starts only if what the tokens left would
             # save pays for that reading (a long prompt, a short reply: plain steps)
-            if self.cost.t_catch_up(self._lag) > self._left * (t_verify[1] - 1.0 / rate):
+            base = t_verify[1] if baseline_ms is None else min(baseline_ms, t_verify[1])
+            if self.cost.t_catch_up(self._lag) > self._left * (base - 1.0 / rate):
                 gamma = 0
         return gamma, rate if gamma else 1.0 / t_verify[1]
 
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
-              rng: np.random.Generator) -> tuple[Draft, Decision]:
-        """Draft for one cycle; at most `limit` (< K_MAX) tokens are kept."""
+              rng: np.random.Generator, baseline_ms: float | None = None) -> tuple[Draft, Decision]:
+        """Draft for one cycle; at most `limit` (< K_MAX) tokens are kept (`baseline_ms`: as for plan)."""
         t0 = time.perf_counter()
         self._sampled = not params.greedy
         limit = min(limit, K_MAX - 1)
         self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         self._rollback = self.cost.t_rollback(self._context)
-        gamma, _ = self.plan(self._context, limit)
+        gamma, _ = self.plan(self._context, limit, baseline_ms=baseline_ms)
         free = self.free
         probe = False
         if gamma == 0 and limit > 0 and not free:

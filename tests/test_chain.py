@@ -253,3 +253,36 @@ def test_a_member_judged_off_still_probes_where_no_free_member_proposes():
             sched.emitted([7])
         probes[name] = (n, slow.calls)
     assert probes["alone"][0] > 0 and probes["chain"] == probes["alone"], probes
+
+
+def test_a_chain_reads_a_new_prompt_into_its_model_only_if_that_beats_the_chain_without_it():
+    """At a generation's start a draft model must read the prompt before it drafts. Alone, that pays
+    when its drafts save more than the reading costs against plain steps; in a chain, against what the
+    chain did without it in earlier generations (n-gram copying 3x: the model stays out)."""
+    t = [0.0] + [10.0 + 0.5 * (k - 1) for k in range(1, K_MAX + 2)]
+    costs = {k: t[k] for k in range(1, K_MAX + 1)}
+    for free_ms, drafts in ((None, True), (8.0, True), (3.0, False)):
+        free, slow = _Fixed("free", []), _Slow(0.0)
+        s_slow = Scheduler(CostModel(costs, draft_per_token_ms=1.0, catch_up_ms=0.5))
+        s_slow.by_run = [Acceptance(prior=0.9, strength=1e9) for _ in range(6)]
+        s_slow.run, s_slow._recent = 100, 0.9  # ~6 tokens per 21 ms cycle: 3.5 ms a token
+        chain = ChainScheduler([(free, Scheduler(CostModel(costs))), (slow, s_slow)])
+        chain.new_generation(200, 100)  # reading the prompt: 100 ms
+        chain.free_ms = free_ms
+        d, _ = chain.draft(DrafterChain([free, slow]), list(range(201)), 8, GREEDY, np.random.default_rng(0))
+        assert bool(d.tokens) == drafts, free_ms
+
+    # what the chain did without its model is learned from the cycles no costly draft was verified in
+    free, slow = _Fixed("free", [5, 6, 7]), _Slow(0.0)
+    chain = ChainScheduler([(free, Scheduler(CostModel(costs))), (slow, Scheduler(CostModel(costs, 1.0)))])
+    chain.new_generation(10, 100)
+    ms = tokens = 0.0
+    for _ in range(10):
+        d, dec = chain.draft(DrafterChain([free, slow]), [0, 1, 2], 8, GREEDY, np.random.default_rng(0))
+        chain.observe(d, len(d.tokens), 0.0, t[len(d.tokens) + 1] / 1000)
+        chain.emitted([*d.tokens, 9])
+        ms, tokens = ms + t[len(d.tokens) + 1], tokens + len(d.tokens) + 1
+        assert dec.member == "free"
+    assert chain.free_ms is None
+    chain.new_generation(10, 100)
+    assert chain.free_ms == pytest.approx(ms / tokens, rel=1e-3) and chain.free_ms < t[1] / 2

@@ -34,6 +34,8 @@ from edgespec.sampling import Dist, SamplingParams
 from edgespec.scheduler import Decision, Scheduler
 
 LAG_WEIGHT = 0.2  # weight of the newest lag in a costly member's running mean
+FREE_WEIGHT = 0.5  # weight of the newest generation in the chain's ms per token without costly members
+FREE_MIN_TOKENS = 16  # fewer tokens than this in a generation say too little of it
 
 
 class DrafterChain:
@@ -96,21 +98,30 @@ class ChainScheduler:
     # the catch-up a draft costs on average here (the current lag is sunk: waiting only makes it grow)
     unseen: list[int] = field(default_factory=list)
     lag_mean: list[float] = field(default_factory=list)
+    # ms per token of the cycles no costly member's draft was verified in (plain steps and free members'
+    # drafts), over earlier generations (None: not known yet): what a costly member must beat to be
+    # worth reading a new prompt
+    free_ms: float | None = None
+    _free: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this generation's (ms, tokens)
+    _costly_s: float = 0.0  # the cycle's drafting time spent by costly members
+    _free_cycle: bool = False
     _own: int = 0
 
     def __post_init__(self) -> None:
         self.unseen, self.lag_mean = [0] * len(self.schedulers), [0.0] * len(self.schedulers)
+        self.started = [False] * len(self.schedulers)  # drafted in this generation
 
     def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
         best: tuple[float, Scheduler | None, Draft, Decision, float] | None = None  # (rate, who, ..., seconds)
-        costly: tuple[float, Drafter, Scheduler] | None = None
+        costly: tuple[float, Drafter, Scheduler, float | None] | None = None  # (rate, who, its scheduler, baseline)
         spent = 0.0
         for i, (m, s) in enumerate(self.schedulers):
             if not s.free:
-                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i])))
+                base = None if self.started[i] else self.free_ms
+                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i])), base)
                 if costly is None or rate > costly[0]:
-                    costly = (rate, m, s)
+                    costly = (rate, m, s, base)
                 continue
             t0 = time.perf_counter()
             d, dec = s.draft(m, context, limit, params, rng)
@@ -122,17 +133,20 @@ class ChainScheduler:
         # where nothing is, it is asked as if alone (a member judged off still probes when its turn comes)
         if costly is not None and (best is None or costly[0] > best[0] or not best[2].tokens):
             t0 = time.perf_counter()
-            d, dec = costly[2].draft(costly[1], context, limit, params, rng)
+            d, dec = costly[2].draft(costly[1], context, limit, params, rng, costly[3])
             if dec.gamma or d.tokens:  # it read what it had missed
                 i = [s for _, s in self.schedulers].index(costly[2])
                 self.lag_mean[i] += LAG_WEIGHT * (max(0, self.unseen[i] - 1) - self.lag_mean[i])
-                self.unseen[i] = 0
+                self.unseen[i], self.started[i] = 0, True
             # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
             # is verified whatever it promises (that is how its scheduler learns)
             seconds = time.perf_counter() - t0 - dec.seconds
             spent += seconds
+            self._costly_s = seconds
             if best is None or (d.tokens and (dec.probe or dec.rate > best[0])):
                 best = (dec.rate, costly[2] if d.tokens else None, d, dec, seconds)
+        else:
+            self._costly_s = 0.0
         assert best is not None
         _, self.chosen, d, dec, own = best
         self.others_s = spent - own
@@ -147,6 +161,9 @@ class ChainScheduler:
         less the other members' time; after a plain step, every member does (each would have seen one
         alone)."""
         self._own = accepted if self.chosen is not None else 0
+        self._free_cycle = self.chosen is None or self.chosen.free
+        if self._free_cycle:
+            self._free[0] += 1000 * (max(0.0, t_draft - self._costly_s) + t_verify)
         if self.chosen is not None:
             self.chosen.observe(draft, accepted, max(0.0, t_draft - self.others_s), t_verify, context, rollback)
             return
@@ -157,9 +174,17 @@ class ChainScheduler:
         for i, (_, s) in enumerate(self.schedulers):
             s.emitted(tokens, probs)
             self.unseen[i] += len(tokens) - (self._own if s is self.chosen else 0)
+        if self._free_cycle:
+            self._free[1] += len(tokens)
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
-        """Each member's own (a costly member's scheduler prices reading the prompt)."""
-        self.unseen = [0] * len(self.schedulers)
+        """Each member's own (a costly member's scheduler prices reading the prompt, against what the
+        chain did without costly members in earlier generations)."""
+        ms, tokens = self._free
+        if tokens >= FREE_MIN_TOKENS:
+            rate = ms / tokens
+            self.free_ms = rate if self.free_ms is None else self.free_ms + FREE_WEIGHT * (rate - self.free_ms)
+        self._free = [0.0, 0.0]
+        self.unseen, self.started = [0] * len(self.schedulers), [False] * len(self.schedulers)
         for _, s in self.schedulers:
             s.new_generation(n_prompt, max_tokens)
