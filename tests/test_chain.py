@@ -126,7 +126,7 @@ class _Model:
                 break
             i = p + len(out)
             out.append(self.truth[i] if self.right[i] else -1)
-        return Draft(out, None, conf)
+        return Draft(out, None, conf, max(0, p - 1 - self.read))  # the context it caught up on
 
     def close(self) -> None:
         pass

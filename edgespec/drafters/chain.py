@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgespec.drafters.base import Draft, DraftCost, Drafter
+from edgespec.rate import Decision
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.scheduler import Decision, Scheduler
+from edgespec.scheduler import Scheduler
 
 LAG_WEIGHT = 0.2  # weight of the newest lag in a costly member's running mean
 FREE_WEIGHT = 0.5  # weight of the newest generation in the chain's ms per token without costly members
@@ -93,35 +94,32 @@ class ChainScheduler:
     chosen: Scheduler | None = None  # the member whose draft the current cycle verifies (None: plain)
     others_s: float = 0.0  # the cycle's drafting time spent by members whose proposal is not verified
     by_member: dict[str, int] = field(default_factory=dict)  # cycles verified per member's name
-    # per member: tokens emitted since it last drafted that it did not propose (a costly member reads
-    # them before its next draft), and their running mean at its drafts: its plan pays for that mean,
-    # the catch-up a draft costs on average here (the current lag is sunk: waiting only makes it grow)
-    unseen: list[int] = field(default_factory=list)
+    # per member: the running mean of the context tokens it caught up on (Draft.synced) at its drafts
+    # after its first in a generation: its plan pays for that mean catch-up (the current lag is sunk:
+    # waiting only makes it grow; the prompt's reading is priced by its scheduler)
     lag_mean: list[float] = field(default_factory=list)
+    started: list[bool] = field(default_factory=list)  # per member: drafted in this generation
     # ms per token of the cycles no costly member's draft was verified in (plain steps and free members'
     # drafts), over earlier generations (None: not known yet): what a costly member must beat to be
     # worth reading a new prompt
     free_ms: float | None = None
     _free: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this generation's (ms, tokens)
     _costly_s: float = 0.0  # the cycle's drafting time spent by costly members
-    _free_cycle: bool = False
-    _own: int = 0
 
     def __post_init__(self) -> None:
-        self.unseen, self.lag_mean = [0] * len(self.schedulers), [0.0] * len(self.schedulers)
-        self.started = [False] * len(self.schedulers)  # drafted in this generation
+        self.lag_mean, self.started = [0.0] * len(self.schedulers), [False] * len(self.schedulers)
 
     def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
         best: tuple[float, Scheduler | None, Draft, Decision, float] | None = None  # (rate, who, ..., seconds)
-        costly: tuple[float, Drafter, Scheduler, float | None] | None = None  # (rate, who, its scheduler, baseline)
+        costly: tuple[float, int, float | None] | None = None  # (planned rate, member index, baseline)
         spent = 0.0
         for i, (m, s) in enumerate(self.schedulers):
             if not s.free:
                 base = None if self.started[i] else self.free_ms
                 _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i])), base)
                 if costly is None or rate > costly[0]:
-                    costly = (rate, m, s, base)
+                    costly = (rate, i, base)
                 continue
             t0 = time.perf_counter()
             d, dec = s.draft(m, context, limit, params, rng)
@@ -132,19 +130,21 @@ class ChainScheduler:
         # a costly member drafts only if its plan, paying for the drafting, beats what is already drafted;
         # where nothing is, it is asked as if alone (a member judged off still probes when its turn comes)
         if costly is not None and (best is None or costly[0] > best[0] or not best[2].tokens):
+            i = costly[1]
+            m, s = self.schedulers[i]
             t0 = time.perf_counter()
-            d, dec = costly[2].draft(costly[1], context, limit, params, rng, costly[3])
-            if dec.gamma or d.tokens:  # it read what it had missed
-                i = [s for _, s in self.schedulers].index(costly[2])
-                self.lag_mean[i] += LAG_WEIGHT * (max(0, self.unseen[i] - 1) - self.lag_mean[i])
-                self.unseen[i], self.started[i] = 0, True
+            d, dec = s.draft(m, context, limit, params, rng, costly[2])
+            if dec.gamma or d.tokens:  # it drafted, after reading what it had missed
+                if self.started[i]:
+                    self.lag_mean[i] += LAG_WEIGHT * (d.synced - self.lag_mean[i])
+                self.started[i] = True
             # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
             # is verified whatever it promises (that is how its scheduler learns)
             seconds = time.perf_counter() - t0 - dec.seconds
             spent += seconds
             self._costly_s = seconds
             if best is None or (d.tokens and (dec.probe or dec.rate > best[0])):
-                best = (dec.rate, costly[2] if d.tokens else None, d, dec, seconds)
+                best = (dec.rate, s if d.tokens else None, d, dec, seconds)
         else:
             self._costly_s = 0.0
         assert best is not None
@@ -160,8 +160,6 @@ class ChainScheduler:
         """The verified member learns from its cycle, its cost from `t_draft` (the whole chain's drafting)
         less the other members' time; after a plain step, every member does (each would have seen one
         alone)."""
-        self._own = accepted if self.chosen is not None else 0
-        self._free_cycle = self.chosen is None or self.chosen.free
         if self._free_cycle:
             self._free[0] += 1000 * (max(0.0, t_draft - self._costly_s) + t_verify)
         if self.chosen is not None:
@@ -171,11 +169,15 @@ class ChainScheduler:
             s.observe(draft, accepted, t_draft, t_verify, context, rollback)
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist | np.ndarray] | None = None) -> None:
-        for i, (_, s) in enumerate(self.schedulers):
+        for _, s in self.schedulers:
             s.emitted(tokens, probs)
-            self.unseen[i] += len(tokens) - (self._own if s is self.chosen else 0)
         if self._free_cycle:
             self._free[1] += len(tokens)
+
+    @property
+    def _free_cycle(self) -> bool:
+        """Whether the current cycle verified no costly member's draft."""
+        return self.chosen is None or self.chosen.free
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
         """Each member's own (a costly member's scheduler prices reading the prompt, against what the
@@ -185,6 +187,6 @@ class ChainScheduler:
             rate = ms / tokens
             self.free_ms = rate if self.free_ms is None else self.free_ms + FREE_WEIGHT * (rate - self.free_ms)
         self._free = [0.0, 0.0]
-        self.unseen, self.started = [0] * len(self.schedulers), [False] * len(self.schedulers)
+        self.started = [False] * len(self.schedulers)
         for _, s in self.schedulers:
             s.new_generation(n_prompt, max_tokens)
