@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -10,6 +11,9 @@ from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft, DraftCost, confidence, reusable_prefix
 from edgespec.errors import ContextOverflowError, VocabMismatchError
 from edgespec.sampling import SamplingParams, process_rows, sample
+
+if TYPE_CHECKING:
+    from edgespec.backends.llama_kv import KvHandoff
 
 # llama.cpp common/speculative.cpp: vocab sizes may differ by this much; token texts are compared
 # from this id on (ids below are control tokens that models number differently).
@@ -48,25 +52,31 @@ class DraftModelDrafter:
 
     Its KV cache is synced to the context by common prefix on every call, so partial acceptance,
     full acceptance (last draft + bonus token both new to it) and new prompts need no special cases.
+    With a `handoff` (a quantized copy of the target on llama.cpp: backends.llama_kv) it takes the
+    target's cells for what it missed when copying them costs less than evaluating them.
     """
 
     name = "draft-model"
 
-    def __init__(self, model: Backend, n_vocab_target: int) -> None:
+    def __init__(self, model: Backend, n_vocab_target: int, handoff: KvHandoff | None = None) -> None:
         self.model = model
         self.n_vocab = n_vocab_target
         self.paths = (model.path,)
+        self.handoff = handoff if handoff is not None and handoff.enabled else None
         self._kv: list[int] = []  # tokens in the draft model's KV cache
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         # keep ≥ 1 token to evaluate for fresh logits
         n_keep = reusable_prefix(self._kv, context[:-1], self.model)
-        self.model.truncate(n_keep)
+        synced = len(context) - 1 - n_keep  # context tokens it missed (the last one is fed anyway)
+        if synced > 1 and self._handed(synced, len(context) - 1):
+            n_keep = len(context) - 1
+        else:
+            self.model.truncate(n_keep)
         self._kv = list(context[:n_keep])
         tokens, rows, conf = [], [], []
         feed = list(context[n_keep:])
-        synced = len(feed) - 1
         try:
             while len(tokens) < gamma:
                 logits = self.model.eval(feed, rows="last")[0]
@@ -92,6 +102,14 @@ class DraftModelDrafter:
             pass  # draft what fits; the target checks the context limit itself
         return Draft(tokens, np.stack(rows) if rows else None, conf, synced)
 
+    def _handed(self, missed: int, n_context: int) -> bool:
+        """Take the target's cells (it holds exactly the context but its last token) when copying
+        all n_context of them costs less than evaluating the `missed` ones."""
+        h = self.handoff
+        if h is None or h.target.n_past != n_context or missed * h.read_ms <= n_context * h.ms_per_token:
+            return False
+        return h.copy()
+
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
         """The scheduler's prior: a draft model pays about its own T(1) per drafted token, and once
         per cycle T(2) − T(1) more, for reading the previous cycle's last draft with the bonus token
@@ -102,6 +120,9 @@ class DraftModelDrafter:
         t = calibration.calibrate(self.model, ks=(1, 2), budget_s=0.5, note=note)
         read = calibration.read_cost(self.model, note=note)
         self.reset()  # timing used the draft model's KV cache
+        if self.handoff is not None:  # a prompt is copied, not read (chain catch-ups learn their own)
+            self.handoff.read_ms = read
+            read = min(read, self.handoff.ms_per_token)
         return DraftCost(max(0.0, t[2] - t[1]), t[1], catch_up_ms=read)
 
     def reset(self) -> None:

@@ -253,10 +253,15 @@ def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImp
     model = open_backend(plan.path, backend, **options)
     try:
         check_vocab_compatible(target, model)
+        handoff = None
+        if backend == "llama.cpp":  # a quantized copy of the target reads the target's cache (backends.llama_kv)
+            from edgespec.backends.llama_kv import open_handoff
+
+            handoff = open_handoff(target, model)
     except BaseException:
         model.close()
         raise
-    return DraftModelDrafter(model, target.n_vocab)
+    return DraftModelDrafter(model, target.n_vocab, handoff)
 
 
 def _chain(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
