@@ -72,7 +72,8 @@ class DraftModelDrafter:
         synced = len(context) - 1 - n_keep  # context tokens it missed (the last one is fed anyway)
         if synced > 1 and self._handed(synced, len(context) - 1):
             n_keep = len(context) - 1
-        else:
+        else:  # (a refused copy left the model empty)
+            n_keep = min(n_keep, self.model.n_past)
             self.model.truncate(n_keep)
         self._kv = list(context[:n_keep])
         tokens, rows, conf = [], [], []
@@ -108,7 +109,10 @@ class DraftModelDrafter:
         h = self.handoff
         if h is None or h.target.n_past != n_context or missed * h.read_ms <= n_context * h.ms_per_token:
             return False
-        return h.copy()
+        if not h.copy():
+            self.handoff = None  # llama.cpp refused the cells (a smaller context): read from now on
+            return False
+        return True
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> DraftCost:
         """The scheduler's prior: a draft model pays about its own T(1) per drafted token, and once

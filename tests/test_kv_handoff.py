@@ -1,0 +1,95 @@
+"""KV handoff (backends/llama_kv.py): a draft model that is a quantized copy of the target takes the
+target's cache cells instead of evaluating the context; greedy output stays the target's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from real_prompts import PROMPTS
+
+import edgespec
+from edgespec.backends.llama_kv import KvHandoff, open_handoff, worth_handing
+from edgespec.drafters.draft_model import DraftModelDrafter
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_target's weights as Q8_0: the same model, as a user's quantized draft model is."""
+    from edgespec.models import quantize
+
+    out = tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf"
+    quantize(tiny_target, out, "LLAMA_FTYPE_MOSTLY_Q8_0")
+    return out
+
+
+def _backend(path: Path, **kw):
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+
+    return LlamaCppBackend(path, n_ctx=kw.pop("n_ctx", 512), threads=2, **kw)
+
+
+def test_worth_handing_compares_agreement_with_the_target() -> None:
+    target = list(range(20))
+    assert worth_handing(target, target, target)
+    assert worth_handing(target, target, target[:18] + [0, 0])  # 2 of 20 fewer: within the slack
+    assert not worth_handing(target, target, target[:10] + [0] * 10)
+    assert worth_handing(target, [0] * 20, [0] * 20)  # a drafter no better either way loses nothing
+
+
+def test_quantized_copy_takes_the_targets_cells(tiny_target: Path, tiny_q8: Path) -> None:
+    with _backend(tiny_target) as t, _backend(tiny_q8) as d, _backend(tiny_q8) as own:
+        h = open_handoff(t, d)
+        assert h is not None and h.enabled and h.ms_per_token > 0 and h.read_ms > 0
+        assert t.n_past == 0 and d.n_past == 0  # the probe leaves both caches empty
+        ids = t.tokenize(" ".join(PROMPTS))[:40]
+        t.eval(ids, rows="none")
+        assert h.copy() and d.n_past == len(ids) == t.n_past
+        own.eval(ids, rows="none")
+        handed, read = d.eval([ids[-1]])[0], own.eval([ids[-1]])[0]
+        # cells the F32 target computed stand in for the Q8_0 drafter's own: the same prediction
+        assert handed.argmax() == read.argmax()
+        assert np.abs(handed - read).max() < 0.05 * (read.max() - read.min())
+        d.truncate(10)  # and the copied cache rolls back as its own does
+        assert d.n_past == 10
+
+
+def test_no_handoff_across_different_shapes_or_cache_types(tiny_target: Path, tiny8: Path, tiny_q8: Path) -> None:
+    with _backend(tiny_target) as t, _backend(tiny8) as other, _backend(tiny_q8, kv_type="f32") as f32:
+        assert open_handoff(t, other) is None  # 8 layers against 2
+        assert t.kv_type != f32.kv_type and open_handoff(t, f32) is None
+
+
+def test_a_refused_copy_empties_the_drafter_and_drafting_goes_on(tiny_target: Path, tiny_q8: Path) -> None:
+    with _backend(tiny_target, n_ctx=1024) as t, _backend(tiny_q8, n_ctx=256) as d:
+        h = KvHandoff(t, d)
+        h.enabled, h.read_ms, h.ms_per_token = True, 1.0, 1e-6
+        ids = (t.tokenize(" ".join(PROMPTS)) * 2)[:301]
+        t.eval(ids[:300], rows="none")
+        d.eval(ids[:5], rows="none")
+        assert not h.copy()  # 300 cells do not fit a 256-cell cache: llama.cpp refuses them
+        assert d.n_past == 0
+        drafter = DraftModelDrafter(d, t.n_vocab, h)
+        drafter._kv = list(ids[:5])  # what it believed it held
+        draft = drafter.draft(ids, 3, edgespec.SamplingParams(), np.random.default_rng(0))
+        # the handoff is dropped, the drafter reads for itself (here: too long for it, so no draft)
+        assert drafter.handoff is None and draft.tokens == [] and d.n_past == 0
+        short = drafter.draft(ids[:40], 3, edgespec.SamplingParams(), np.random.default_rng(0))
+        assert len(short.tokens) == 3 and d.n_past == 42  # 40 read, 2 drafts fed
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_greedy_with_handoff_equals_plain(tiny_target: Path, tiny_q8: Path, gamma, monkeypatch) -> None:
+    copies = []
+    real_copy = KvHandoff.copy
+    monkeypatch.setattr(KvHandoff, "copy", lambda self: copies.append(self.target.n_past) or real_copy(self))
+    with edgespec.load(tiny_target, drafter=tiny_q8, n_ctx=1024, num_draft=gamma) as engine:
+        assert engine.drafter.handoff is not None
+        for prompt in PROMPTS[:3]:
+            plain = engine.generate(prompt, max_tokens=48, speculative=False)
+            spec = engine.generate(prompt, max_tokens=48)
+            assert spec.tokens == plain.tokens
+    assert copies and max(copies) > 8  # each prompt was handed over, not read
