@@ -43,7 +43,7 @@ def test_worth_handing_compares_agreement_with_the_target() -> None:
 def test_quantized_copy_takes_the_targets_cells(tiny_target: Path, tiny_q8: Path) -> None:
     with _backend(tiny_target) as t, _backend(tiny_q8) as d, _backend(tiny_q8) as own:
         h = open_handoff(t, d)
-        assert h is not None and h.enabled and h.ms_per_token > 0 and h.read_ms > 0
+        assert h is not None and h.ms_per_token > 0 and h.read_ms > 0
         assert t.n_past == 0 and d.n_past == 0  # the probe leaves both caches empty
         ids = t.tokenize(" ".join(PROMPTS))[:40]
         t.eval(ids, rows="none")
@@ -66,7 +66,7 @@ def test_no_handoff_across_different_shapes_or_cache_types(tiny_target: Path, ti
 def test_a_refused_copy_empties_the_drafter_and_drafting_goes_on(tiny_target: Path, tiny_q8: Path) -> None:
     with _backend(tiny_target, n_ctx=1024) as t, _backend(tiny_q8, n_ctx=256) as d:
         h = KvHandoff(t, d)
-        h.enabled, h.read_ms, h.ms_per_token = True, 1.0, 1e-6
+        h.read_ms, h.ms_per_token = 1.0, 1e-6
         ids = (t.tokenize(" ".join(PROMPTS)) * 2)[:301]
         t.eval(ids[:300], rows="none")
         d.eval(ids[:5], rows="none")

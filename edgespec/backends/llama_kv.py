@@ -62,23 +62,24 @@ def worth_handing(target_ids: Sequence[int], own: Sequence[int], handed: Sequenc
 def open_handoff(target: object, drafter: object) -> KvHandoff | None:
     """A probed handoff from `target` to `drafter` (None: not llama.cpp on both sides, shapes that
     differ, or a probe that says the drafter drafts worse from the target's cells)."""
-    if not (isinstance(target, LlamaCppBackend) and isinstance(drafter, LlamaCppBackend)):
+    # a target subclass (MTP, features) keeps more than one sequence's cells in its own way
+    if type(target) is not LlamaCppBackend or not isinstance(drafter, LlamaCppBackend):
         return None
-    if type(target) is not LlamaCppBackend or not shapes_match(target, drafter):
-        return None  # a subclass (MTP, features) keeps more than one sequence's cells in its own way
+    if not shapes_match(target, drafter):
+        return None
     h = KvHandoff(target, drafter)
     tokens = target.tokenize(PROBE_TEXT)
     return h if len(tokens) >= 8 and h.probe(tokens) else None
 
 
 class KvHandoff:
-    """Copies the target's sequence into the drafter's cache (`copy`), after `probe` said it pays."""
+    """Copies the target's sequence into the drafter's cache (`copy`); `open_handoff` makes one only
+    where `probe` says it pays."""
 
     def __init__(self, target: LlamaCppBackend, drafter: LlamaCppBackend) -> None:
         self.target, self.drafter = target, drafter
         self.ms_per_token = 0.0  # what a copy costs per context token (measured by probe)
         self.read_ms = 0.0  # what the drafter pays per token to evaluate them (probe; then cost_prior's)
-        self.enabled = False
         self._buf = np.empty(0, np.uint8)
 
     def copy(self) -> bool:
@@ -94,16 +95,14 @@ class KvHandoff:
         if n and ll.llama_state_seq_set_data(dst._ctx, ptr, n, 0) == n:
             dst._n_past = src.n_past  # the drafter's cache now holds the target's positions
             return True
-        dst._n_past = 1  # whatever the failed restore left is dropped with the rest
-        dst.truncate(0)
+        dst._drop_all()  # whatever the failed restore left
         return False
 
     def probe(self, tokens: Sequence[int]) -> bool:
-        """Decide `enabled` on `tokens`: the target's argmax at each position of the second half,
+        """Whether the handoff pays, on `tokens`: the target's argmax at each position of the second half,
         against the drafter's from its own cache and from the target's cells for the first half;
         times the copy. Leaves both caches empty."""
         src, dst, half = self.target, self.drafter, len(tokens) // 2
-        self.enabled = False
         try:
             src.truncate(0)
             target_ids = src.eval_argmax(tokens)[half:]
@@ -118,8 +117,7 @@ class KvHandoff:
                 return False
             self.ms_per_token = (time.perf_counter() - t0) * 1000 / half
             handed = dst.eval_argmax(tokens[half:])  # the same positions, from the target's first half
-            self.enabled = worth_handing(target_ids, own, handed)
+            return worth_handing(target_ids, own, handed)
         finally:
             src.truncate(0)
             dst.truncate(0)
-        return self.enabled

@@ -62,7 +62,7 @@ class DraftModelDrafter:
         self.model = model
         self.n_vocab = n_vocab_target
         self.paths = (model.path,)
-        self.handoff = handoff if handoff is not None and handoff.enabled else None
+        self.handoff = handoff
         self._kv: list[int] = []  # tokens in the draft model's KV cache
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
