@@ -60,21 +60,26 @@ class CostModel:
         recurrent: the target rolls back by checkpoint and re-evaluation (`t_rollback`).
         catch_up_ms: a draft model's measured ms per context token it reads in a batch (its prompt,
             tokens another drafter proposed); None: a quarter of a drafted token until one is seen.
+        copy_ms: ms per context token to take the target's whole cache instead of reading what it
+            missed (a KV handoff; None: it cannot).
     """
 
     def __init__(self, t_forward_ms: dict[int, float], draft_per_token_ms: float = 0.0,
                  draft_fixed_ms: float = 0.0, block: bool = False, ctx_ms: float = 0.0,
-                 base_context: int = 64, recurrent: bool = False, catch_up_ms: float | None = None) -> None:
+                 base_context: int = 64, recurrent: bool = False, catch_up_ms: float | None = None,
+                 copy_ms: float | None = None) -> None:
         ks = sorted(t_forward_ms)
         self.prior = [0.0] + [float(np.interp(k, ks, [t_forward_ms[j] for j in ks])) if k <= ks[-1]
                               else t_forward_ms[ks[-1]] * k / ks[-1] for k in range(1, K_MAX + 1)]
         self.verify = [RobustTime() for _ in range(K_MAX + 1)]
         self.scale = RobustTime(window=9, beta=0.2)
-        self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block, catch_up_ms=catch_up_ms)
+        self.draft_prior = DraftCost(draft_fixed_ms, draft_per_token_ms, block, catch_up_ms=catch_up_ms,
+                                     copy_ms=copy_ms)
         # [γ]: ms of drafting γ tokens, each starting from the prior's line (a measured prior is not
         # thrown away on one draft's timing)
         self.draft_at = [RobustTime(prior=draft_fixed_ms + g * draft_per_token_ms if g else 0.0) for g in range(K_MAX)]
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
+        self.copy = RobustTime()  # ... per context token when it takes the target's cache instead
         self.ctx_ms, self.base_context = ctx_ms, base_context
         self.recurrent = recurrent
         self.restore = RobustTime()  # a rollback's ms beyond re-evaluating the kept tokens
@@ -92,7 +97,7 @@ class CostModel:
         if prior is None:
             return cls(t_forward_ms, **context)
         return cls(t_forward_ms, prior.per_token_ms, prior.fixed_ms, prior.block, catch_up_ms=prior.catch_up_ms,
-                   **context)
+                   copy_ms=prior.copy_ms, **context)
 
     def observe_verify(self, k: int, ms: float, context: int | None = None) -> None:
         """A k-token verification took ms after `context` cached tokens (None: base_context)."""
@@ -114,10 +119,12 @@ class CostModel:
         t_verify, restore = self.t_verify(context), self.restore.value
         return [max(0.0, restore + t_verify[n + 1]) for n in range(K_MAX)]
 
-    def observe_draft(self, n_tokens: int, ms: float, synced: int = 0) -> None:
+    def observe_draft(self, n_tokens: int, ms: float, synced: int = 0, copied: int = 0) -> None:
         """A draft of n_tokens (a block drafter: rows computed) took ms, of which catching up on
-        `synced` context tokens."""
-        if synced > 1:
+        `synced` context tokens, or taking `copied` from the target's cache instead."""
+        if copied:
+            self.copy.add(max(0.0, ms - self._draft[n_tokens]) / copied)
+        elif synced > 1:
             self.catch_up.add(max(0.0, ms - self._draft[n_tokens]) / synced)
         else:
             self.draft_at[n_tokens].add(ms)
@@ -144,15 +151,21 @@ class CostModel:
             return 0.0, sum(n * g * t for g, t, n in pts) / sum(n * g * g for g, _, n in pts)
         return t_mean - slope * g_mean, slope
 
-    def t_catch_up(self, n: int) -> float:
+    def t_catch_up(self, n: int, context: int | None = None) -> float:
         """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token,
         never dearer than a drafted token: a fresh context's first forward also pays its set-up).
-        Before any is seen: the read cost measured at load, else a quarter of a drafted token."""
+        Before any is seen: the read cost measured at load, else a quarter of a drafted token. One
+        that can take the target's cache instead pays the cheaper: reading n or copying `context`."""
         per_token = self._draft[2] - self._draft[1]
-        if self.catch_up.n:
-            return n * min(self.catch_up.value, per_token)
         prior = self.draft_prior.catch_up_ms
-        return n * (min(prior, per_token) if prior is not None else per_token / 4)
+        if self.catch_up.n:
+            read = n * min(self.catch_up.value, per_token)
+        else:
+            read = n * (min(prior, per_token) if prior is not None else per_token / 4)
+        copy = self.copy.value if self.copy.n else self.draft_prior.copy_ms
+        if copy is None or n <= 1:
+            return read
+        return min(read, (n if context is None else max(n, context)) * copy)
 
     def t_verify(self, context: int | None = None) -> list[float]:
         """[k] = expected ms of a k-token verification after `context` cached tokens (None:

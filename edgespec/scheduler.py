@@ -45,6 +45,7 @@ FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token dra
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
 PROBE_SHARE = 0.25  # a drafter that could win g× may lose this × (g − 1) of plain-step time on probes
+PROBE_OPTIMISM = 2.0  # ... g at its long-run acceptance plus this many standard deviations of it
 MAX_SHADOWS = 16  # shadow drafts being scored at once
 RECENT = 0.3  # weight of the newest first-token outcome in the recent hit rate
 SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
@@ -140,14 +141,18 @@ class Scheduler:
         if self._explore:
             self._start_from(self.long_run())
 
-    def long_run(self) -> float:
+    def long_run(self, optimism: float = 0.0) -> float:
         """The pair's acceptance over every verified position so far, with the prior worth a few
-        positions (the pair's record: as many as it rests on, up to PAIR_WEIGHT)."""
+        positions (the pair's record: as many as it rests on, up to PAIR_WEIGHT); `optimism`:
+        standard deviations of that estimate added (what the pair may yet turn out to be while
+        few positions are known)."""
         if self.prior is None:
             p0, w = EXPLORE_ACCEPTANCE, EXPLORE_STRENGTH
         else:
             p0, w = self.prior, min(PAIR_WEIGHT, max(EXPLORE_STRENGTH, self.prior_judged))
-        return (self.judged[0] + w * p0) / (self.judged[1] + w)
+        n = self.judged[1] + w
+        mean = (self.judged[0] + w * p0) / n
+        return min(1.0, mean + optimism * (mean * (1.0 - mean) / (n + 1.0)) ** 0.5)
 
     def _start_from(self, p0: float) -> None:
         """Every run bucket and the recent hit rate start from acceptance p0, worth a few positions."""
@@ -188,7 +193,7 @@ class Scheduler:
             # a drafter that has yet to read the prompt starts only if what the tokens left would
             # save pays for that reading (a long prompt, a short reply: plain steps)
             base = t_verify[1] if baseline_ms is None else min(baseline_ms, t_verify[1])
-            if self.cost.t_catch_up(self._lag) > self._left * (base - 1.0 / rate):
+            if self.cost.t_catch_up(self._lag, context) > self._left * (base - 1.0 / rate):
                 gamma = 0
         return gamma, rate if gamma else 1.0 / t_verify[1]
 
@@ -256,7 +261,7 @@ class Scheduler:
         if rollback:
             self.cost.observe_rollback(accepted, rollback * 1000, context)
         if g:  # the cost of what was drafted (a block: every row computed), however much was verified
-            self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced)
+            self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced, draft.copied)
             if not free:  # a free drafter's drafts are all scored in shadow, verified part included
                 self.acceptance.observe(g, accepted)
                 self.judged[0] += accepted
@@ -340,16 +345,18 @@ class Scheduler:
     def _probe_gamma(self, limit: int, t_draft: Sequence[float], t_verify: Sequence[float]) -> int:
         """A probe's γ if its turn has come: what would win at PROBE_ACCEPTANCE, once plain steps
         have run long enough that the probe's expected loss fits PROBE_BUDGET of their time (a drafter
-        that could win g× at the pair's long-run acceptance: PROBE_SHARE·(g − 1), when larger)."""
+        that could win g× at the pair's long-run acceptance: PROBE_SHARE·(g − 1), when larger). A
+        probe bets like a slow start: no longer than a draft after the current run may be."""
+        limit = min(limit, max(SLOW_START, 2 * self.run))
         g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify,
                               self._rollback)
         g = max(g_opt, 1)
         survival = self._survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, self._rollback)
-                - (1.0 + sum(survival[:g])) * t_verify[1] + self.cost.t_catch_up(self._lag))
+                - (1.0 + sum(survival[:g])) * t_verify[1] + self.cost.t_catch_up(self._lag, self._context))
         budget = PROBE_BUDGET
-        if self._explore:  # what the drafter has shown it could win sizes what probes may lose
-            budget = max(budget, PROBE_SHARE * (self.potential(self.long_run()) - 1.0))
+        if self._explore:  # what the drafter may yet be shown to win sizes what probes may lose
+            budget = max(budget, PROBE_SHARE * (self.potential(self.long_run(PROBE_OPTIMISM)) - 1.0))
         budget = budget if g_opt > 0 else budget / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0
 

@@ -341,3 +341,36 @@ def test_catch_up_is_never_priced_above_a_drafted_token():
     assert cost.t_catch_up(100) == pytest.approx(400.0)  # capped at 4 ms a token
     measured = CostModel({1: 10.0, 2: 11.0}, draft_per_token_ms=4.0, draft_fixed_ms=2.0, catch_up_ms=2.5)
     assert measured.t_catch_up(100) == pytest.approx(250.0)  # the read cost measured at load, before any
+
+
+def test_catch_up_is_the_cheaper_of_reading_what_was_missed_and_copying_the_targets_cache():
+    cost = CostModel({1: 10.0, 2: 11.0}, draft_per_token_ms=4.0, catch_up_ms=2.5, copy_ms=0.01)
+    assert cost.t_catch_up(1, context=400) == pytest.approx(2.5)  # one token: read, never copied
+    assert cost.t_catch_up(2, context=400) == pytest.approx(4.0)  # copying 400 cells beats reading 2
+    assert cost.t_catch_up(100, context=400) == pytest.approx(4.0)
+    cost.observe_draft(2, cost.t_draft()[2] + 8.0, synced=300, copied=400)  # a copy: 0.02 ms a cell
+    assert cost.catch_up.n == 0  # ... not learned as a read
+    assert cost.t_catch_up(100, context=400) == pytest.approx(8.0)
+    no_copy = CostModel({1: 10.0, 2: 11.0}, draft_per_token_ms=4.0, catch_up_ms=2.5)
+    assert no_copy.t_catch_up(100, context=400) == pytest.approx(250.0)
+
+
+@pytest.mark.parametrize("copy_ms", [0.01, None])
+def test_a_fresh_pair_whose_first_draft_misses_is_probed_back_if_catching_up_is_a_copy(copy_ms):
+    """No record of the pair, and its first draft misses: one judged position says little, so the
+    probe budget is sized by what the pair may yet turn out to be (its long-run acceptance plus
+    PROBE_OPTIMISM standard deviations), and a draft model that takes the target's cache after a
+    plain stretch pays a copy, not a read of every token it missed: it drafts again within 16 cycles.
+    One that must read 4.7 ms a token waits far longer: its catch-up grows with every plain step."""
+    t = [0.0, 25.0] + [28.0 + 2.7 * k for k in range(2, K_MAX + 1)]  # SmolLM2 F32's profile here
+    cost = CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=10.0, draft_fixed_ms=6.0,
+                     catch_up_ms=4.7, copy_ms=copy_ms)  # its Q4_1 copy, as timed in the loop
+    sched = Scheduler(cost)
+    sched.new_generation(n_prompt=1)
+    assert _simulate(sched, _ScriptedDrafter(token=7), t, 10.0, cycles=1)[0] > 0  # tried at once, missed
+    back = _simulate(sched, _ScriptedDrafter(token=0), t, 10.0, cycles=100)
+    first = next((i for i, g in enumerate(back) if g > 0), len(back))
+    if copy_ms is None:
+        assert first > 50
+    else:
+        assert first <= 16 and all(g > 0 for g in back[first:])

@@ -28,7 +28,8 @@ class Draft:
     # (e.g. max q). A rule that verifies x̃ᵢ or not depending on x̃ᵢ itself, such as q(x̃ᵢ), would
     # bias sampled output; one that depends only on what came before is lossless.
     confidence: list[float] | None = None
-    synced: int = 0  # context tokens the drafter evaluated to catch up before drafting
+    synced: int = 0  # context tokens the drafter missed and caught up on before drafting
+    copied: int = 0  # context tokens it took from the target's cache instead (KV handoff; then synced aren't read)
     support: int | None = None  # n-gram drafters: how many context tokens the match they copy spans
 
     def head(self, n: int) -> Draft:
@@ -142,6 +143,8 @@ class DraftCost:
     max_block: int | None = field(default=None, compare=False)
     # ms per context token a draft model pays to catch up (a batched read; None: not measured)
     catch_up_ms: float | None = None
+    # ms per context token to take the target's whole cache instead (KV handoff; None: it cannot)
+    copy_ms: float | None = None
 
 
 class HeadRunner(Protocol):

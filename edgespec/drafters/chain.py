@@ -117,7 +117,7 @@ class ChainScheduler:
         for i, (m, s) in enumerate(self.schedulers):
             if not s.free:
                 base = None if self.started[i] else self.free_ms
-                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i])), base)
+                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i]), len(context) - 1), base)
                 if costly is None or rate > costly[0]:
                     costly = (rate, i, base)
                 continue

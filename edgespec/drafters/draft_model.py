@@ -70,8 +70,9 @@ class DraftModelDrafter:
         # keep ≥ 1 token to evaluate for fresh logits
         n_keep = reusable_prefix(self._kv, context[:-1], self.model)
         synced = len(context) - 1 - n_keep  # context tokens it missed (the last one is fed anyway)
+        copied = 0
         if synced > 1 and self._handed(synced, len(context) - 1):
-            n_keep = len(context) - 1
+            n_keep = copied = len(context) - 1
         else:  # (a refused copy left the model empty)
             n_keep = min(n_keep, self.model.n_past)
             self.model.truncate(n_keep)
@@ -101,7 +102,7 @@ class DraftModelDrafter:
                 feed = [x]
         except ContextOverflowError:
             pass  # draft what fits; the target checks the context limit itself
-        return Draft(tokens, np.stack(rows) if rows else None, conf, synced)
+        return Draft(tokens, np.stack(rows) if rows else None, conf, synced, copied=copied)
 
     def _handed(self, missed: int, n_context: int) -> bool:
         """Take the target's cells (it holds exactly the context but its last token) when copying
@@ -124,10 +125,11 @@ class DraftModelDrafter:
         t = calibration.calibrate(self.model, ks=(1, 2), budget_s=0.5, note=note)
         read = calibration.read_cost(self.model, note=note)
         self.reset()  # timing used the draft model's KV cache
-        if self.handoff is not None:  # a prompt is copied, not read (chain catch-ups learn their own)
+        copy = None
+        if self.handoff is not None:  # what it missed is copied instead where that is cheaper
             self.handoff.read_ms = read
-            read = min(read, self.handoff.ms_per_token)
-        return DraftCost(max(0.0, t[2] - t[1]), t[1], catch_up_ms=read)
+            copy = self.handoff.ms_per_token
+        return DraftCost(max(0.0, t[2] - t[1]), t[1], catch_up_ms=read, copy_ms=copy)
 
     def reset(self) -> None:
         """Forget the cached context (after something else used the model's KV cache)."""
