@@ -46,7 +46,9 @@ class CostModel:
     Measured k follow their own timings; unmeasured ones are the prior (profile) times a shared
     scale, the robust mean ratio of measured to prior, so a machine that slows down slows them all.
     Drafts are timed per length γ (a robust value each) and T_draft(γ) = fixed + γ·per_token is a
-    weighted least-squares line through them (one length seen: the prior, scaled to it).
+    weighted least-squares line through them (one length seen: the prior, scaled to it). They are
+    kept in the profile's units (÷ that scale when timed, × it when asked), so a drafter timed while
+    something else slowed the machine is not judged too dear once it recovers.
 
     Timings are kept as if taken after `base_context` cached tokens (the context term is taken off
     each observation and put back for the context asked about).
@@ -79,7 +81,6 @@ class CostModel:
         # thrown away on one draft's timing)
         self.draft_at = [RobustTime(prior=draft_fixed_ms + g * draft_per_token_ms if g else 0.0) for g in range(K_MAX)]
         self.catch_up = RobustTime()  # a draft model's ms per context token when it catches up
-        self.copy = RobustTime()  # ... per context token when it takes the target's cache instead
         self.ctx_ms, self.base_context = ctx_ms, base_context
         self.recurrent = recurrent
         self.restore = RobustTime()  # a rollback's ms beyond re-evaluating the kept tokens
@@ -121,10 +122,13 @@ class CostModel:
 
     def observe_draft(self, n_tokens: int, ms: float, synced: int = 0, copied: int = 0) -> None:
         """A draft of n_tokens (a block drafter: rows computed) took ms, of which catching up on
-        `synced` context tokens, or taking `copied` from the target's cache instead."""
+        `synced` context tokens, or taking `copied` from the target's cache instead (not learned from:
+        a copy of a few ms drowns in a draft's own noise; the cost timed when the handoff opened
+        stands). Kept in the profile's units (÷ `speed`)."""
+        ms /= self.speed
         if copied:
-            self.copy.add(max(0.0, ms - self._draft[n_tokens]) / copied)
-        elif synced > 1:
+            return
+        if synced > 1:
             self.catch_up.add(max(0.0, ms - self._draft[n_tokens]) / synced)
         else:
             self.draft_at[n_tokens].add(ms)
@@ -151,6 +155,14 @@ class CostModel:
             return 0.0, sum(n * g * t for g, t, n in pts) / sum(n * g * g for g, _, n in pts)
         return t_mean - slope * g_mean, slope
 
+    @property
+    def speed(self) -> float:
+        """How much slower than its profile the machine runs now (the target's measured ÷ profiled
+        T(k), robust). Drafts are timed in these units, so a slow moment that slowed the drafter too
+        is not held against it once the machine recovers (a drafter judged too dear is seldom timed
+        again)."""
+        return self.scale.value if self.scale.n else 1.0
+
     def t_catch_up(self, n: int, context: int | None = None) -> float:
         """ms for a draft model to evaluate n context tokens it missed (a batch: cheaper per token,
         never dearer than a drafted token: a fresh context's first forward also pays its set-up).
@@ -162,17 +174,16 @@ class CostModel:
             read = n * min(self.catch_up.value, per_token)
         else:
             read = n * (min(prior, per_token) if prior is not None else per_token / 4)
-        copy = self.copy.value if self.copy.n else self.draft_prior.copy_ms
-        if copy is None or n <= 1:
-            return read
-        return min(read, (n if context is None else max(n, context)) * copy)
+        copy = self.draft_prior.copy_ms
+        if copy is not None and n > 1:
+            read = min(read, (n if context is None else max(n, context)) * copy)
+        return read * self.speed
 
     def t_verify(self, context: int | None = None) -> list[float]:
         """[k] = expected ms of a k-token verification after `context` cached tokens (None:
         base_context; index 0 unused)."""
         if self._verify is None:
-            scale = self.scale.value if self.scale.n else 1.0
-            self._verify = [v.value if v.n else p * scale for v, p in zip(self.verify, self.prior)]
+            self._verify = [v.value if v.n else p * self.speed for v, p in zip(self.verify, self.prior)]
         if not self.ctx_ms or context is None or context <= self.base_context:
             return self._verify
         return [t + self._attention(k, context) for k, t in enumerate(self._verify)]
@@ -181,8 +192,9 @@ class CostModel:
         return 0.0 if context is None else k * self.ctx_ms * max(0, context - self.base_context)
 
     def t_draft(self) -> list[float]:
-        """[γ] = expected ms to draft γ tokens (0 for γ = 0)."""
-        return self._draft
+        """[γ] = expected ms to draft γ tokens (0 for γ = 0), at the machine's current speed."""
+        speed = self.speed
+        return self._draft if speed == 1.0 else [t * speed for t in self._draft]
 
     @staticmethod
     def _line(fixed: float, per_token: float) -> list[float]:

@@ -346,10 +346,12 @@ class Scheduler:
         """A probe's γ if its turn has come: what would win at PROBE_ACCEPTANCE, once plain steps
         have run long enough that the probe's expected loss fits PROBE_BUDGET of their time (a drafter
         that could win g× at the pair's long-run acceptance: PROBE_SHARE·(g − 1), when larger). A
-        probe bets like a slow start: no longer than a draft after the current run may be."""
+        probe bets like a slow start: no longer than a draft after the current run may be; a drafter
+        explored for its promise drafts what would win at the acceptance it may yet show, if higher
+        (a pair that wins only when right ~98% of the time has no γ that wins at 0.9)."""
         limit = min(limit, max(SLOW_START, 2 * self.run))
-        g_opt, _ = best_gamma([PROBE_ACCEPTANCE ** i for i in range(1, limit + 1)], t_draft, t_verify,
-                              self._rollback)
+        hope = max(PROBE_ACCEPTANCE, self.long_run(PROBE_OPTIMISM)) if self._explore else PROBE_ACCEPTANCE
+        g_opt, _ = best_gamma([hope ** i for i in range(1, limit + 1)], t_draft, t_verify, self._rollback)
         g = max(g_opt, 1)
         survival = self._survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, self._rollback)
