@@ -24,7 +24,8 @@ CHANGELOG):
   draft step can share one forward.
 
 ``MTP_ARCHS`` lists the architectures whose src/models/*.cpp build a ``LLM_GRAPH_TYPE_DECODER_MTP``
-graph in this libllama. Only qwen35 is exercised here (tests/mtp_fixtures.py); several nextn blocks
+graph in this libllama. qwen35 (a Gated-DeltaNet hybrid, tests/mtp_fixtures.py) and glm4moe (attention
+only, MoE, tests/mtp_fixtures_glm.py) are exercised here; several nextn blocks
 (step35's chained heads) are drafted with the first one alone.
 """
 
