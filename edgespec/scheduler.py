@@ -350,15 +350,16 @@ class Scheduler:
         explored for its promise drafts what would win at the acceptance it may yet show, if higher
         (a pair that wins only when right ~98% of the time has no γ that wins at 0.9)."""
         limit = min(limit, max(SLOW_START, 2 * self.run))
-        hope = max(PROBE_ACCEPTANCE, self.long_run(PROBE_OPTIMISM)) if self._explore else PROBE_ACCEPTANCE
-        g_opt, _ = best_gamma([hope ** i for i in range(1, limit + 1)], t_draft, t_verify, self._rollback)
+        hope = self.long_run(PROBE_OPTIMISM) if self._explore else 0.0
+        a = max(PROBE_ACCEPTANCE, hope)
+        g_opt, _ = best_gamma([a ** i for i in range(1, limit + 1)], t_draft, t_verify, self._rollback)
         g = max(g_opt, 1)
         survival = self._survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(survival, g, self._rollback)
                 - (1.0 + sum(survival[:g])) * t_verify[1] + self.cost.t_catch_up(self._lag, self._context))
         budget = PROBE_BUDGET
         if self._explore:  # what the drafter may yet be shown to win sizes what probes may lose
-            budget = max(budget, PROBE_SHARE * (self.potential(self.long_run(PROBE_OPTIMISM)) - 1.0))
+            budget = max(budget, PROBE_SHARE * (self.potential(hope) - 1.0))
         budget = budget if g_opt > 0 else budget / 10
         return g if self._plain_ms * budget >= loss * self._backoff else 0
 

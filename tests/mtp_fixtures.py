@@ -223,6 +223,23 @@ def build_qwen35_mtp(root: Path, **weights: float) -> tuple[Path, Path]:
     return hf, convert_qwen35(hf, root / "qwen35-mtp-f32.gguf")
 
 
+def no_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp contexts created from now on (in this test) run without flash attention: ggml's CPU
+    flash-attention kernel rounds through F16 (measured: MTP logits 1.4e-4 of the range off the reference
+    with it, 9e-8 without), which is llama.cpp's choice of kernel, not a difference in the MTP forward."""
+    from edgespec.backends.deps import import_llama
+
+    ll = import_llama()
+    default = ll.llama_context_default_params
+
+    def params():
+        p = default()
+        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
+        return p
+
+    monkeypatch.setattr(ll, "llama_context_default_params", params)
+
+
 @pytest.fixture(scope="session")
 def qwen35_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(hf_dir, gguf_path) of the tiny Qwen3.5 + MTP fixture, built once a session."""

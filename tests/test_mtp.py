@@ -43,27 +43,40 @@ def plain_tokens(mtp_gguf) -> list[int]:
 @pytest.mark.parametrize("drafter, gamma", [("mtp", 1), ("mtp", 3), ("mtp", "auto"), ("ngram,mtp", 3),
                                             ("ngram,mtp", "auto")])
 def test_greedy_mtp_equals_plain(mtp_gguf, plain_tokens, drafter, gamma):
-    with edgespec.load(mtp_gguf, drafter=drafter, num_draft=gamma, n_ctx=512, threads=1) as engine:
+    check_greedy_mtp(mtp_gguf, plain_tokens, drafter, gamma)
+
+
+def check_greedy_mtp(path: Path, plain: list[int], drafter: str, gamma: int | str) -> None:
+    """`drafter` (mtp or a chain ending in it) at `gamma` on the MTP fixture at `path` emits the plain
+    greedy tokens, twice (the second from the cached prompt); at a fixed γ, with full and partial
+    acceptances both seen."""
+    with edgespec.load(path, drafter=drafter, num_draft=gamma, n_ctx=512, threads=1) as engine:
         assert isinstance(engine.target, LlamaMtpTarget)
         assert isinstance(engine.drafter if drafter == "mtp" else engine.drafter.members[-1], MtpDrafter)
         out = engine.generate(PROMPT, max_tokens=64, temperature=0)
         again = engine.generate(PROMPT, max_tokens=64, temperature=0)  # the cached prompt, synced again
-    assert out.tokens == plain_tokens and again.tokens == plain_tokens
+    assert out.tokens == plain and again.tokens == plain
     cycles = out.stats.cycles
     drafted, accepted = sum(d for d, _ in cycles), sum(n for _, n in cycles)
-    print(f"\n{drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
+    print(f"\n{Path(path).name} {drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
     if gamma != "auto":
         assert any(d and n == d for d, n in cycles) and any(n < d for d, n in cycles)  # full and partial
 
 
-def test_fixture_acceptance(mtp_gguf):
-    """Greedy acceptance of the fixture's MTP head at γ 3 over 128 new tokens (quoted in mtp_fixtures)."""
-    with edgespec.load(mtp_gguf, drafter="mtp", num_draft=3, n_ctx=512, threads=1) as engine:
+def greedy_acceptance(path: Path) -> float:
+    """Greedy acceptance of the MTP head of the fixture at `path`, at γ 3 over 128 new tokens."""
+    with edgespec.load(path, drafter="mtp", num_draft=3, n_ctx=512, threads=1) as engine:
         out = engine.generate(PROMPT, max_tokens=128, temperature=0)
+    assert len(out.tokens) == 128
     drafted = sum(d for d, _ in out.stats.cycles)
     rate = sum(n for _, n in out.stats.cycles) / drafted
-    print(f"\nfixture greedy acceptance at γ 3: {rate:.2f} of {drafted} drafts")
-    assert 0.2 < rate < 0.95
+    print(f"\n{Path(path).name} greedy acceptance at γ 3: {rate:.2f} of {drafted} drafts")
+    return rate
+
+
+def test_fixture_acceptance(mtp_gguf):
+    """Greedy acceptance of the fixture's MTP head (quoted in mtp_fixtures)."""
+    assert 0.2 < greedy_acceptance(mtp_gguf) < 0.95
 
 
 def _sync_matches_fresh(drafter: MtpDrafter, target: LlamaMtpTarget, ctx: list[int]) -> None:

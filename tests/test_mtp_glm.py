@@ -16,8 +16,9 @@ import time
 import gguf
 import numpy as np
 import pytest
+from mtp_fixtures import no_flash_attn
 from mtp_fixtures_glm import MEASURED_ACCEPTANCE, glm4moe_mtp  # noqa: F401  # a fixture
-from test_mtp import GREEDY, _sync_matches_fresh, chi_square, exact_pairs
+from test_mtp import GREEDY, _sync_matches_fresh, check_greedy_mtp, chi_square, exact_pairs, greedy_acceptance
 
 import edgespec
 from edgespec.backends.llama_cpp import LlamaCppBackend
@@ -44,21 +45,6 @@ def test_glm_fixture_is_a_glm4moe_with_one_nextn_block(glm_gguf):
     assert check_mtp_target(glm_gguf) == ("glm4moe", 1)
 
 
-def _no_flash_attn(monkeypatch) -> None:
-    """Contexts created from now on run without flash attention (ggml's CPU kernel rounds through F16)."""
-    from edgespec.backends.deps import import_llama
-
-    ll = import_llama()
-    default = ll.llama_context_default_params
-
-    def params():
-        p = default()
-        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-        return p
-
-    monkeypatch.setattr(ll, "llama_context_default_params", params)
-
-
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / (want.max() - want.min()))
 
@@ -73,7 +59,7 @@ def test_glm_mtp_logits_equal_reference(glm4moe_mtp, monkeypatch):  # noqa: F811
 
     hf, path = glm4moe_mtp
     cfg, sd = ref.load_hf(hf)
-    _no_flash_attn(monkeypatch)
+    no_flash_attn(monkeypatch)
     with LlamaMtpTarget(path, n_ctx=256, kv_type="f32", threads=1) as target:
         drafter = MtpDrafter(target)
         try:
@@ -141,28 +127,13 @@ def glm_plain_tokens(glm_gguf) -> list[int]:
 @pytest.mark.parametrize("drafter, gamma", [("mtp", 3), ("mtp", "auto"), ("ngram,mtp", 3),
                                             ("ngram,mtp", "auto")])
 def test_glm_greedy_mtp_equals_plain(glm_gguf, glm_plain_tokens, drafter, gamma):
-    with edgespec.load(glm_gguf, drafter=drafter, num_draft=gamma, n_ctx=512, threads=1) as engine:
-        assert isinstance(engine.target, LlamaMtpTarget)
-        assert isinstance(engine.drafter if drafter == "mtp" else engine.drafter.members[-1], MtpDrafter)
-        out = engine.generate(PROMPT, max_tokens=64, temperature=0)
-        again = engine.generate(PROMPT, max_tokens=64, temperature=0)  # the cached prompt, synced again
     assert len(glm_plain_tokens) == 64
-    assert out.tokens == glm_plain_tokens and again.tokens == glm_plain_tokens
-    cycles = out.stats.cycles
-    drafted, accepted = sum(d for d, _ in cycles), sum(n for _, n in cycles)
-    print(f"\nglm4moe {drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
-    if gamma != "auto":
-        assert any(d and n == d for d, n in cycles) and any(n < d for d, n in cycles)  # full and partial
+    check_greedy_mtp(glm_gguf, glm_plain_tokens, drafter, gamma)
 
 
 def test_glm_fixture_acceptance(glm_gguf):
     """Greedy acceptance of the fixture's MTP head at γ 3 over 128 new tokens (MEASURED_ACCEPTANCE)."""
-    with edgespec.load(glm_gguf, drafter="mtp", num_draft=3, n_ctx=512, threads=1) as engine:
-        out = engine.generate(PROMPT, max_tokens=128, temperature=0)
-    drafted = sum(d for d, _ in out.stats.cycles)
-    rate = sum(n for _, n in out.stats.cycles) / drafted
-    print(f"\nglm4moe fixture greedy acceptance at γ 3: {rate:.2f} of {drafted} drafts over {len(out.tokens)} tokens")
-    assert len(out.tokens) == 128 and abs(rate - MEASURED_ACCEPTANCE) < 0.1
+    assert abs(greedy_acceptance(glm_gguf) - MEASURED_ACCEPTANCE) < 0.1
 
 
 # After PROMPT the fixture's first sampled token is certain; after this one it is spread (0.59, 0.40, 0.01),

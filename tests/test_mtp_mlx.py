@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlx_fixtures import own_mlx_home  # noqa: F401 (used by usefixtures)
-from mtp_fixtures import qwen35_mtp  # noqa: F401 (a session fixture)
+from mtp_fixtures import no_flash_attn, qwen35_mtp  # noqa: F401 (a session fixture)
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
@@ -34,7 +34,7 @@ from edgespec.heads.mtp_mlx import MlxMtpHead, mtp_weights_from_gguf, mtp_weight
 
 TOL = 1e-4  # max |Δlogit| / logit range (issue #32)
 # measured here (F32 weights): MLX block vs reference ≤ 2.5e-7 (GGUF and HF weights alike); libllama ≤ 1e-7
-# with F32 KV caches and flash attention off, ~1.4e-4 with ggml's CPU flash attention (see _no_flash_attn)
+# with F32 KV caches and flash attention off, ~1.4e-4 with ggml's CPU flash attention (see mtp_fixtures.no_flash_attn)
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 
 
@@ -122,23 +122,6 @@ def test_mlx_mtp_logits_equal_reference(fixture, source):
     assert mine == drafted
 
 
-def _no_flash_attn(monkeypatch) -> None:
-    """Contexts created from now on (in this test) run without flash attention: ggml's CPU flash-attention
-    kernel rounds through F16 (measured: MTP logits 1.4e-4 of the range off the reference with it, 9e-8
-    without), which is llama.cpp's choice of kernel, not a difference in the MTP forward."""
-    from edgespec.backends.deps import import_llama
-
-    ll = import_llama()
-    default = ll.llama_context_default_params
-
-    def params():
-        p = default()
-        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-        return p
-
-    monkeypatch.setattr(ll, "llama_context_default_params", params)
-
-
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_libllama_mtp_logits_equal_reference(fixture, flash_attn, monkeypatch):
     """libllama's MTP graph through the llama.cpp mtp drafter's context (edgespec.backends.llama_mtp),
@@ -148,7 +131,7 @@ def test_libllama_mtp_logits_equal_reference(fixture, flash_attn, monkeypatch):
     llama_mtp = pytest.importorskip("edgespec.backends.llama_mtp", reason="the llama.cpp mtp side has not landed")
     hf, gguf_path, _, cfg, sd = fixture
     if not flash_attn:
-        _no_flash_attn(monkeypatch)
+        no_flash_attn(monkeypatch)
     tol = TOL if not flash_attn else 3 * TOL
     target = llama_mtp.LlamaMtpTarget(gguf_path, n_ctx=256, kv_type="f32")  # auto would be Q8_0
     ctx = llama_mtp.LlamaMtpContext(target)  # the target's KV type
@@ -219,7 +202,7 @@ def test_qwen35_gguf_on_mlx(fixture, monkeypatch):
     if importlib.util.find_spec("llama_cpp") is not None:  # and llama.cpp's logits on the same file
         from edgespec.backends.llama_cpp import LlamaCppBackend
 
-        _no_flash_attn(monkeypatch)
+        no_flash_attn(monkeypatch)
         with LlamaCppBackend(gguf_path, kv_type="f32") as c:
             lc = c.eval(toks, rows="all")
         print(f"qwen35 GGUF on MLX vs llama.cpp: {_rel(la, lc):.1e} of the range")
