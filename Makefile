@@ -104,11 +104,11 @@ bench-history: models
 	$(BIN)/python bench/history_cost.py --out bench/results/history-cost
 	$(MAKE) --no-print-directory results
 
-# A drafter chain against its members alone (docs/scheduler.md "Drafter chains"), ~5 min.
+# A drafter chain against its members alone (docs/scheduler.md "Drafter chains"), ~15 min.
 bench-chain: models
 	$(BIN)/python -m pip install --quiet "matplotlib>=3.8"
 	$(BIN)/edgespec bench --target smollm2-f32 --drafter ngram --drafter smollm2 --drafter ngram,smollm2 -k auto \
-	  --suite shipped --per-category 2 --temp 0 --ctx 4096 --no-strict --out bench/results/chain/smollm2-f32-shipped
+	  --suite shipped --per-category 2 --repeats 3 --temp 0 --ctx 4096 --no-strict --out bench/results/chain/smollm2-f32-shipped
 	$(MAKE) --no-print-directory results
 
 # llama.cpp's native llama-speculative-simple on the same pairs, tasks and token budget (built

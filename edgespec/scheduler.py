@@ -120,7 +120,7 @@ class Scheduler:
     by_run: list[Acceptance] = field(default_factory=lambda: [Acceptance(p) for p in RUN_PRIORS])
     run: int = 0
     calibration: Calibration = field(default_factory=Calibration)
-    _support: int = K_MAX  # the latest draft's support (n-gram match length)
+    _support: int | None = None  # the latest draft's match length (n-gram, history; None: not reported)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
     _left: int | None = None  # tokens this generation may still emit (None: unknown)
     _recent: float = 0.5  # this generation's recent first-token hit rate (fast EMA)
@@ -166,10 +166,17 @@ class Scheduler:
         return rate * t_verify[1]
 
     @property
+    def streak(self) -> int:
+        """The evidence the next draft is right: the current run of right drafts or, for a drafter that
+        copies (n-gram, history), the length of the match it copies from: context tokens that agree
+        with the copy's source are the same evidence as a run of right drafts, and known at once after
+        a miss (a long match after a miss is the rest of a copy; a run over a match this short is not)."""
+        return self.run if self._support is None else self._support
+
+    @property
     def acceptance(self) -> Acceptance:
-        """The acceptance model for the current run of right drafts (an n-gram drafter's run
-        counts no longer than the match it copies from)."""
-        return self.by_run[min(min(self.run, self._support).bit_length(), len(self.by_run) - 1)]
+        """The acceptance model for the current streak."""
+        return self.by_run[min(self.streak.bit_length(), len(self.by_run) - 1)]
 
     @property
     def free(self) -> bool:
@@ -187,7 +194,7 @@ class Scheduler:
         if extra_ms:
             t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
-        gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, K_MAX - 1, max(SLOW_START, 2 * self.run))],
+        gamma, rate = best_gamma(self._survival(None, 0)[:min(limit, K_MAX - 1, max(SLOW_START, 2 * self.streak))],
                                  t_draft, t_verify, self.cost.t_rollback(context))
         if gamma and not self.free and self._lag > 1 and self._left is not None and rate > 0:
             # a drafter that has yet to read the prompt starts only if what the tokens left would
@@ -232,7 +239,10 @@ class Scheduler:
         self._drafted = rows if block and d.tokens else len(d.tokens)
         if free and d.tokens:  # every draft is scored against what the target emits, verified or not
             self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
-            self._support = d.support if d.support is not None else K_MAX
+            if d.support != self._support:  # the plan keyed on the previous draft's match: plan again
+                self._support = d.support
+                gamma = self.plan(self._context, limit, baseline_ms=baseline_ms)[0]
+                shadow = gamma == 0
         if shadow:
             return Draft([]), Decision(ms=t_verify[1], seconds=seconds + time.perf_counter() - t1)
         if d.tokens and not probe and (params.greedy or d.q is None):
@@ -349,7 +359,7 @@ class Scheduler:
         probe bets like a slow start: no longer than a draft after the current run may be; a drafter
         explored for its promise drafts what would win at the acceptance it may yet show, if higher
         (a pair that wins only when right ~98% of the time has no γ that wins at 0.9)."""
-        limit = min(limit, max(SLOW_START, 2 * self.run))
+        limit = min(limit, max(SLOW_START, 2 * self.streak))
         hope = self.long_run(PROBE_OPTIMISM) if self._explore else 0.0
         a = max(PROBE_ACCEPTANCE, hope)
         g_opt, _ = best_gamma([a ** i for i in range(1, limit + 1)], t_draft, t_verify, self._rollback)

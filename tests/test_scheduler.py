@@ -407,3 +407,31 @@ def test_a_pair_that_wins_only_when_almost_always_right_is_probed_at_what_it_has
     back = _simulate(sched, _ScriptedDrafter(token=0), t, 8.0, cycles=100)
     first = next((i for i, g in enumerate(back) if g > 0), len(back))
     assert 0 < first <= 40 and sum(g > 0 for g in back[first:]) >= 0.9 * (100 - first)
+
+
+class _Copy:
+    """Drafts 15 fixed tokens, reporting the match it copies them from as `support` tokens long."""
+
+    name, paths = "copy", ()
+
+    def __init__(self, support: int) -> None:
+        self.support = support
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        return Draft(list(range(1, 16))[:gamma], support=self.support)
+
+
+def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
+    """A copying drafter's evidence is the match it copies from, not the run of right drafts, which a
+    miss resets: a 16-token match right after a miss is verified long from the first draft (no slow
+    start), a 2-token one is verified short, each by what its own match length has shown."""
+    t = _linear(10.0, 0.5)
+    gammas = {}
+    for support in (16, 2):
+        s = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
+        s.by_run = [Acceptance(prior=p, strength=1e9) for p in (0.3, 0.3, 0.3, 0.5, 0.7, 0.97)]
+        s.run, s._recent = 0, 0.7
+        d, _ = s.draft(_Copy(support), [0, 1, 2], K_MAX - 1, GREEDY, np.random.default_rng(0))
+        gammas[support] = len(d.tokens)
+        assert s.streak == support
+    assert gammas[16] >= 10 and gammas[2] <= 2, gammas
