@@ -97,9 +97,9 @@ def test_drafts_equal_the_scan(run):
         ctx = [rnd.randrange(V) for _ in range(rnd.randrange(1, 40))]
         d = HistoryDrafter(10_000)
         remember(d, *docs)
-        d._run = run  # the acceptance cap: max(4, 2·run)
+        d._run = run  # the acceptance cap: max(4, 2·run, match)
         got = draft(d, ctx)
-        want, m = _scan_draft(docs, ctx, lambda m: min(16, 2 * m, max(4, 2 * run)))
+        want, m = _scan_draft(docs, ctx, lambda m: min(16, 2 * m, max(4, 2 * run, m)))
         assert got.tokens == want, (docs, ctx)
         assert got.support == (m if want else None)
 
@@ -180,7 +180,10 @@ def test_draft_length_follows_the_match_length():
     d.reset()
     assert len(draft(d, [1, 119, 120, 121]).tokens) == 3
     d.reset()
-    assert len(draft(d, [1, *doc[10:30]]).tokens) == 4  # match 20: the slow-start cap (no run yet)
+    d.reset()
+    assert len(draft(d, [1, *doc[20:26]]).tokens) == 6  # match 6, no run yet: the cap is the match
+    d.reset()
+    assert len(draft(d, [1, *doc[10:30]]).tokens) == 16  # match 20: as long as γ allows at once
 
 
 def test_draft_length_grows_with_accepted_drafts_and_shrinks_after_misses():
@@ -193,7 +196,7 @@ def test_draft_length_grows_with_accepted_drafts_and_shrinks_after_misses():
         t = draft(d, ctx).tokens
         lengths.append(len(t))
         ctx = ctx + t + [doc[doc.index(t[-1]) + 1]]
-    assert lengths == [4, 8, 16, 16, 16]  # max(4, 2 × run), capped by γ = 16
+    assert lengths == [10, 16, 16, 16, 16]  # max(4, 2 × run, match 10), capped by γ = 16
     t = draft(d, ctx).tokens
     ctx = ctx + t[:2] + [7]  # two kept, then the target disagrees: the run starts over
     assert len(draft(d, ctx + [doc[50], doc[51]]).tokens) == 4

@@ -189,7 +189,8 @@ class HistoryDrafter:
     """Drafts the most frequent continuation of the longest earlier match (≥ min_match tokens) of
     the context's suffix, found in the current context, the earlier contexts (remember=True) and
     `corpus_tokens`; up to min(γ, alpha × match length, max(SLOW_START, 2 × the run of right
-    draft tokens)), 1 after MISSES wrong first tokens in a row.
+    draft tokens, the match length)), 1 after MISSES wrong first tokens in a row (a long match is the
+    same evidence as a run of right drafts, and a miss does not reset it: the scheduler's streak).
 
     Args:
         max_tokens: most tokens indexed (corpus included); beyond it the oldest contexts are evicted
@@ -274,14 +275,13 @@ class HistoryDrafter:
         m = sam.ln[v] if v > 0 else 0
         tokens: list[int] = []
         if m >= self.min_match and gamma > 0:
-            tokens = sam.walk(v, min(gamma, max(1, int(self.alpha * m)), self.cap), self.min_match, MIN_PROB)
+            tokens = sam.walk(v, min(gamma, max(1, int(self.alpha * m)), self.cap(m)), self.min_match, MIN_PROB)
         self._prev = tokens
         return Draft(tokens, support=m if tokens else None)
 
-    @property
-    def cap(self) -> int:
-        """The longest draft recent acceptance allows (see the class docstring)."""
-        return 1 if self._misses >= MISSES else max(SLOW_START, 2 * self._run)
+    def cap(self, match: int) -> int:
+        """The longest draft recent acceptance and a `match`-token match allow (the class docstring)."""
+        return 1 if self._misses >= MISSES else max(SLOW_START, 2 * self._run, match)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> None:
         """None: a lookup costs microseconds, nothing the scheduler needs to price."""
