@@ -213,16 +213,16 @@ class Scheduler:
         self._context = len(context) - 1  # tokens in the target's cache: all but the pending one
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         self._rollback = self.cost.t_rollback(self._context)
-        gamma, _ = self.plan(self._context, limit, baseline_ms=baseline_ms)
         free = self.free
+        # a free drafter plans once it has drafted: its streak is the match that draft copies from
+        gamma = 0 if free else self.plan(self._context, limit, baseline_ms=baseline_ms)[0]
         probe = False
         if gamma == 0 and limit > 0 and not free:
             gamma = self._probe_gamma(limit, t_draft, t_verify)
             probe = gamma > 0
         self._probing = probe
-        shadow = gamma == 0 and limit > 0 and free
         seconds = time.perf_counter() - t0
-        if gamma == 0 and not shadow:
+        if limit == 0 or (gamma == 0 and not free):
             return Draft([]), Decision(ms=t_verify[1], seconds=seconds)
 
         # a free drafter drafts to the limit: what is not verified is scored in shadow
@@ -237,14 +237,13 @@ class Scheduler:
         t1 = time.perf_counter()
         self._lag = 0
         self._drafted = rows if block and d.tokens else len(d.tokens)
-        if free and d.tokens:  # every draft is scored against what the target emits, verified or not
-            self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
-            if d.support != self._support:  # the plan keyed on the previous draft's match: plan again
+        if free:
+            if d.tokens:  # every draft is scored against what the target emits, verified or not
+                self._shadows = [*self._shadows[-(MAX_SHADOWS - 1):], (d.tokens[:limit], [0])]
                 self._support = d.support
-                gamma = self.plan(self._context, limit, baseline_ms=baseline_ms)[0]
-                shadow = gamma == 0
-        if shadow:
-            return Draft([]), Decision(ms=t_verify[1], seconds=seconds + time.perf_counter() - t1)
+            gamma = self.plan(self._context, limit, baseline_ms=baseline_ms)[0]
+            if gamma == 0:  # shadow only: a plain step
+                return Draft([]), Decision(ms=t_verify[1], seconds=seconds + time.perf_counter() - t1)
         if d.tokens and not probe and (params.greedy or d.q is None):
             # a deterministic draft may be cut after the fact; a sampled one may not (its tokens
             # would decide their own verification), so the stop rule above did its cutting

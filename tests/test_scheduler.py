@@ -111,8 +111,10 @@ class _ScriptedDrafter:
 
     name = "scripted"
 
-    def __init__(self, token: int, confidence: list[float] | None = None, n: int = K_MAX) -> None:
+    def __init__(self, token: int, confidence: list[float] | None = None, n: int = K_MAX,
+                 support: int | None = None) -> None:
         self.token, self.confidence, self.n, self.calls = token, confidence, n, 0
+        self.support = support  # the match length it reports, as a copying drafter does (None: none)
 
     def draft(self, context, gamma, params, rng, stop=None) -> Draft:
         self.calls += 1
@@ -123,7 +125,7 @@ class _ScriptedDrafter:
                 conf.pop()
                 break
             tokens.append(self.token)
-        return Draft(tokens, None, conf if self.confidence else None)
+        return Draft(tokens, None, conf if self.confidence else None, support=self.support)
 
     def close(self) -> None:
         pass
@@ -409,18 +411,6 @@ def test_a_pair_that_wins_only_when_almost_always_right_is_probed_at_what_it_has
     assert 0 < first <= 40 and sum(g > 0 for g in back[first:]) >= 0.9 * (100 - first)
 
 
-class _Copy:
-    """Drafts 15 fixed tokens, reporting the match it copies them from as `support` tokens long."""
-
-    name, paths = "copy", ()
-
-    def __init__(self, support: int) -> None:
-        self.support = support
-
-    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
-        return Draft(list(range(1, 16))[:gamma], support=self.support)
-
-
 def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
     """A copying drafter's evidence is the match it copies from, not the run of right drafts, which a
     miss resets: a 16-token match right after a miss is verified long from the first draft (no slow
@@ -431,7 +421,8 @@ def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
         s = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
         s.by_run = [Acceptance(prior=p, strength=1e9) for p in (0.3, 0.3, 0.3, 0.5, 0.7, 0.97)]
         s.run, s._recent = 0, 0.7
-        d, _ = s.draft(_Copy(support), [0, 1, 2], K_MAX - 1, GREEDY, np.random.default_rng(0))
+        d, _ = s.draft(_ScriptedDrafter(1, n=15, support=support), [0, 1, 2], K_MAX - 1, GREEDY,
+                       np.random.default_rng(0))
         gammas[support] = len(d.tokens)
         assert s.streak == support
     assert gammas[16] >= 10 and gammas[2] <= 2, gammas
