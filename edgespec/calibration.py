@@ -91,7 +91,7 @@ def profile_path(backend: Backend) -> Path | None:
     return cache_path(model_key(backend.path), backend.name, backend.threads, backend_version(backend))
 
 
-CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16)
+CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 32)
 
 
 def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: float = 2.0,
@@ -101,19 +101,28 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them."""
     path = profile_path(backend)
     prof = load_profile(path)
-    if prof is not None and all(k in prof.t_forward_ms for k in ks):
-        return prof.t_forward_ms
+    have = dict(prof.t_forward_ms) if prof is not None else {}
+    missing = [k for k in ks if k not in have]
+    if not missing:
+        return have
+    # a cached profile lacking some k (one made by an older version, or `edgespec profile --max-k 8`)
+    # keeps what it has: only the missing k are timed, with the largest cached k ≤ max(ks) beside them
+    # as the anchor their times are scaled by (the same units however busy the machine is now)
+    anchor = max((k for k in have if k <= ks[-1]), default=None)
+    timed = sorted({*missing, anchor} - {None})
     if note:
         note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
     context = 8 if _slow(backend) else CONTEXT_TOKENS  # a short context keeps the prefill affordable
-    once = time_forward(backend, [ks[0], ks[-1]], repeats=1, chunk=chunk, context=context)
-    cost = np.interp(ks, [ks[0], ks[-1]], [once[ks[0]], once[ks[-1]]]) / 1000  # T(k) is about linear in k
+    ends = [timed[0], timed[-1]]
+    once = time_forward(backend, ends, repeats=1, chunk=chunk, context=context)
+    cost = np.interp(timed, ends, [once[k] for k in ends]) / 1000  # T(k) is about linear in k
     if cost.sum() <= budget_s:
-        t = time_forward(backend, ks, repeats=max(1, min(5, int(budget_s / cost.sum()))), chunk=chunk,
+        t = time_forward(backend, timed, repeats=max(1, min(5, int(budget_s / cost.sum()))), chunk=chunk,
                          context=context)
     else:  # a slow backend (MLX on a small CPU): the two timings, interpolated; refined online
-        t = {k: float(c) * 1000 for k, c in zip(ks, cost)}
-    t = {**(prof.t_forward_ms if prof else {}), **t}
+        t = {k: float(c) * 1000 for k, c in zip(timed, cost)}
+    scale = have[anchor] / t[anchor] if anchor is not None and t[anchor] > 0 else 1.0
+    t = {**have, **{k: t[k] * scale for k in missing}}
     save_profile(path, backend, t_forward_ms=t)
     return t
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgespec.drafters.base import DraftCost
 
-K_MAX = 16  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
+K_MAX = 32  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
 FIT_WEIGHT_CAP = 8  # a draft length's weight in the fit grows with its samples up to this many
 
 

@@ -54,6 +54,9 @@ EXPLORE_ACCEPTANCE = 0.95  # what a same-family draft model reaches (greedy): th
 EXPLORE_GAIN = 1.02  # a costly drafter that would beat plain steps at EXPLORE_ACCEPTANCE (by this much) is tried at once
 EXPLORE_STRENGTH = 3.0  # weight, in verified positions, of the prior it starts from
 PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier engines is worth against this one's
+# a drafter's potential is judged on drafts this long at most: longer ones need a long run of right
+# drafts first (slow start), so they add little to what a drafter not yet shown right may win
+POTENTIAL_GAMMA = 15
 
 
 class Acceptance:
@@ -162,7 +165,7 @@ class Scheduler:
     def potential(self, acceptance: float) -> float:
         """The speedup over plain steps the cost model gives a drafter with this i.i.d. acceptance."""
         t_verify = self.cost.t_verify()
-        _, rate = best_gamma([acceptance ** i for i in range(1, K_MAX)], self.cost.t_draft(), t_verify)
+        _, rate = best_gamma([acceptance ** i for i in range(1, POTENTIAL_GAMMA + 1)], self.cost.t_draft(), t_verify)
         return rate * t_verify[1]
 
     @property

@@ -57,6 +57,28 @@ class _Reading(ReferenceBackend):
         return super().eval(tokens, rows)
 
 
+def test_calibration_keeps_a_cached_profile_and_times_only_the_missing_k(monkeypatch, tmp_path):
+    """A profile cached without some k (made by an older version, which timed up to 16, or by
+    `edgespec profile --max-k 4`) keeps what it has: only the missing k are timed, beside the largest
+    cached k as an anchor, and put in the cached timings' units."""
+    from edgespec.calibration import calibrate, load_profile, profile_path, save_profile
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    backend = _Reading(8, n_ctx=512)  # 2 ms + 0.1 ms a token
+    backend.path = str(model)
+    cached = {1: 4.2, 2: 4.4, 4: 4.8}  # twice what it takes now: timed while the machine was busier
+    save_profile(profile_path(backend), backend, t_forward_ms=cached)
+    t = calibrate(backend, ks=(1, 2, 4, 8, 16))
+    assert {k: t[k] for k in cached} == cached  # the careful timings stay as they were
+    assert t[8] == pytest.approx(2 * (2.0 + 0.8), rel=0.25)  # timed now, in the cached units (× 2)
+    assert t[16] == pytest.approx(2 * (2.0 + 1.6), rel=0.25)
+    prof = load_profile(profile_path(backend))
+    assert prof is not None and prof.t_forward_ms == t
+    assert calibrate(backend, ks=(1, 2, 4, 8, 16)) == t  # all cached now: nothing is timed again
+
+
 def test_read_cost_is_a_batched_reads_ms_per_token():
     backend = _Reading(8, n_ctx=512)
     ms = read_cost(backend)
