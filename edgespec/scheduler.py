@@ -54,9 +54,12 @@ EXPLORE_ACCEPTANCE = 0.95  # what a same-family draft model reaches (greedy): th
 EXPLORE_GAIN = 1.02  # a costly drafter that would beat plain steps at EXPLORE_ACCEPTANCE (by this much) is tried at once
 EXPLORE_STRENGTH = 3.0  # weight, in verified positions, of the prior it starts from
 PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier engines is worth against this one's
-# a drafter's potential is judged on drafts this long at most: longer ones need a long run of right
-# drafts first (slow start), so they add little to what a drafter not yet shown right may win
-POTENTIAL_GAMMA = 15
+# a costly drafter (a draft model, a head) drafts at most this many tokens a cycle, and its potential
+# is judged on such drafts; only a free one's copies are verified up to K_MAX − 1 at once. Drafting
+# dominates a costly drafter's cycle, so a long draft's tail is a bet at the margin: letting a Q4_1
+# draft model draft up to 31 for SmolLM2 F32 gained greedy (1.49 vs 1.41) but lost at T 0.7
+# (1.26 vs 1.35) and in the ngram,model chain (1.85 vs 2.06), each one run on the same machine
+COSTLY_GAMMA = 15
 
 
 class Acceptance:
@@ -165,7 +168,7 @@ class Scheduler:
     def potential(self, acceptance: float) -> float:
         """The speedup over plain steps the cost model gives a drafter with this i.i.d. acceptance."""
         t_verify = self.cost.t_verify()
-        _, rate = best_gamma([acceptance ** i for i in range(1, POTENTIAL_GAMMA + 1)], self.cost.t_draft(), t_verify)
+        _, rate = best_gamma([acceptance ** i for i in range(1, COSTLY_GAMMA + 1)], self.cost.t_draft(), t_verify)
         return rate * t_verify[1]
 
     @property
@@ -186,6 +189,11 @@ class Scheduler:
         """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
         return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
 
+    @property
+    def longest(self) -> int:
+        """The longest draft this drafter may verify in a cycle (COSTLY_GAMMA unless it is free)."""
+        return K_MAX - 1 if self.free else COSTLY_GAMMA
+
     def plan(self, context: int, limit: int, extra_ms: float = 0.0, baseline_ms: float | None = None
              ) -> tuple[int, float]:
         """The γ ≤ `limit` this drafter would verify after `context` cached tokens, before drafting
@@ -194,6 +202,7 @@ class Scheduler:
         `baseline_ms`: the ms per token its drafts must save against to pay for reading what it has not
         (None: a plain step's; a chain's, without its costly members)."""
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
+        limit = min(limit, self.longest)
         if extra_ms:
             t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
         # slow start: bet long drafts only on a run of right ones (a stale estimate costs less)
@@ -361,7 +370,7 @@ class Scheduler:
         probe bets like a slow start: no longer than a draft after the current run may be; a drafter
         explored for its promise drafts what would win at the acceptance it may yet show, if higher
         (a pair that wins only when right ~98% of the time has no γ that wins at 0.9)."""
-        limit = min(limit, max(SLOW_START, 2 * self.streak))
+        limit = min(limit, self.longest, max(SLOW_START, 2 * self.streak))
         hope = self.long_run(PROBE_OPTIMISM) if self._explore else 0.0
         a = max(PROBE_ACCEPTANCE, hope)
         g_opt, _ = best_gamma([a ** i for i in range(1, limit + 1)], t_draft, t_verify, self._rollback)

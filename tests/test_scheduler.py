@@ -426,3 +426,17 @@ def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
         gammas[support] = len(d.tokens)
         assert s.streak == support
     assert gammas[16] >= 10 and gammas[2] <= 2, gammas
+
+
+@pytest.mark.parametrize("draft_ms", [0.0, 1.0])  # a free copier, a cheap costly drafter
+def test_only_a_free_drafters_copies_are_verified_beyond_costly_gamma(draft_ms):
+    """Verification is nearly free per token and every draft is right: a free drafter copying from a
+    long match is verified up to K_MAX − 1 tokens at once; a costly one drafts at most COSTLY_GAMMA
+    (its long draft's tail is a bet at the margin, where sampled and chained runs lost)."""
+    from edgespec.scheduler import COSTLY_GAMMA
+
+    t = _linear(10.0, 0.2)
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))
+    gammas = _simulate(sched, _ScriptedDrafter(token=0, support=16 if draft_ms == 0 else None), t, draft_ms,
+                       cycles=40)
+    assert max(gammas) == (K_MAX - 1 if draft_ms == 0 else COSTLY_GAMMA)
