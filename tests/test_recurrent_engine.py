@@ -12,7 +12,7 @@ import pytest
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 from edgespec.backends.reference import ReferenceBackend
-from edgespec.costs import CostModel
+from edgespec.costs import K_MAX, CostModel
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
@@ -50,7 +50,7 @@ def fixed_costs(monkeypatch):
     tokens, about T(1), rollbacks make the scheduler's 50% acceptance prior lose: plain steps.)"""
     from edgespec import calibration
 
-    monkeypatch.setattr(CostModel, "t_rollback", lambda self, context=None: [0.1] * 16)
+    monkeypatch.setattr(CostModel, "t_rollback", lambda self, context=None: [0.1] * K_MAX)
 
     monkeypatch.setattr(calibration, "calibrate", lambda backend, ks=calibration.CALIBRATION_KS, **kw: {
         k: 0.05 if tuple(ks) != calibration.CALIBRATION_KS else 1 + 0.1 * (k - 1) for k in ks})  # a drafter: 0.05
