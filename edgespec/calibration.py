@@ -95,10 +95,13 @@ CALIBRATION_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 32)
 
 
 def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: float = 2.0,
-              note: Callable[[str], None] | None = None, chunk: int | None = None) -> dict[int, float]:
+              note: Callable[[str], None] | None = None, chunk: int | None = None,
+              context: int | None = None, repeats: int | None = None) -> dict[int, float]:
     """T(k) in ms for `ks`: from the cached profile when it has them, else timed in about
     `budget_s` (`note` is told first) and cached. The scheduler's prior; `edgespec profile`
-    measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them."""
+    measures more carefully and replaces it. `chunk`: forwards are split as the engine splits them.
+    `context` and `repeats`: cached tokens and repeats to time with, instead of what the budget and
+    the backend's speed say (a draft model's T(1) and T(2): a few steps after a short context)."""
     path = profile_path(backend)
     prof = load_profile(path)
     have = dict(prof.t_forward_ms) if prof is not None else {}
@@ -112,12 +115,12 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     timed = sorted({*missing, anchor} - {None})
     if note:
         note(f"timing {Path(backend.path).name} for the scheduler (once per model, ~{budget_s:.0f} s)")
-    context = 8 if _slow(backend) else CONTEXT_TOKENS  # a short context keeps the prefill affordable
-    ends = [timed[0], timed[-1]]
-    once = time_forward(backend, ends, repeats=1, chunk=chunk, context=context)
-    cost = np.interp(timed, ends, [once[k] for k in ends]) / 1000  # T(k) is about linear in k
-    if cost.sum() <= budget_s:
-        t = time_forward(backend, timed, repeats=max(1, min(5, int(budget_s / cost.sum()))), chunk=chunk,
+    if context is None:
+        context = 8 if _slow(backend) else CONTEXT_TOKENS  # a short context keeps the prefill affordable
+    if repeats is not None:
+        t = time_forward(backend, timed, repeats=repeats, chunk=chunk, context=context)
+    elif sum(cost := _estimate(backend, timed, chunk, context)) <= budget_s:
+        t = time_forward(backend, timed, repeats=max(1, min(5, int(budget_s / sum(cost)))), chunk=chunk,
                          context=context)
     else:  # a slow backend (MLX on a small CPU): the two timings, interpolated; refined online
         t = {k: float(c) * 1000 for k, c in zip(timed, cost)}
@@ -125,6 +128,14 @@ def calibrate(backend: Backend, ks: Sequence[int] = CALIBRATION_KS, budget_s: fl
     t = {**have, **{k: t[k] * scale for k in missing}}
     save_profile(path, backend, t_forward_ms=t)
     return t
+
+
+def _estimate(backend: Backend, ks: Sequence[int], chunk: int | None, context: int) -> list[float]:
+    """Seconds per forward of each k, from one timing of the smallest and the largest (T(k) is about
+    linear in k)."""
+    ends = [ks[0], ks[-1]]
+    once = time_forward(backend, ends, repeats=1, chunk=chunk, context=context)
+    return [float(c) / 1000 for c in np.interp(ks, ends, [once[k] for k in ends])]
 
 
 def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_FAR, repeats: int = 4,
@@ -214,13 +225,49 @@ PAIR_MIN_JUDGED = 4  # verified draft positions a pair needs before its acceptan
 def pair_path(target: Backend, drafter_paths: Sequence[str], greedy: bool) -> Path | None:
     """Where the acceptance a (target, drafter) pair showed is kept (None: a drafter without files,
     or a model not on disk)."""
+    key = _pair_key(target, drafter_paths)
+    return None if key is None else profile_dir() / f"pair-{key}-{target.name}-{'greedy' if greedy else 'sampled'}.json"
+
+
+def _pair_key(target: Backend, drafter_paths: Sequence[str]) -> str | None:
     from edgespec.models import model_key
 
     files = [target.path, *drafter_paths]
     if not drafter_paths or not all(Path(f).exists() for f in files):
         return None
-    key = "-".join(model_key(f)[:12] for f in files)
-    return profile_dir() / f"pair-{key}-{target.name}-{'greedy' if greedy else 'sampled'}.json"
+    return "-".join(model_key(f)[:12] for f in files)
+
+
+def pair_acceptance(target: Backend, drafter_paths: Sequence[str]) -> float | None:
+    """The better of the pair's greedy and sampled mean acceptance (None: never seen)."""
+    seen = [r[0] for g in (True, False) if (r := load_acceptance(pair_path(target, drafter_paths, g)))]
+    return max(seen, default=None)
+
+
+HANDOFF_DOUBT = 0.5  # a KV handoff pair whose drafts were right less often than this is probed
+
+
+def handoff_path(target: Backend, drafter: Backend) -> Path | None:
+    """Where a KV handoff pair's verdict and costs are kept (drafters.draft_model.open_kv_handoff)."""
+    key = _pair_key(target, [drafter.path])
+    return None if key is None else profile_dir() / f"handoff-{key}-v{backend_version(target)}.json"
+
+
+def load_handoff(path: Path | None) -> dict | None:
+    """{"use", "probed", "copy_ms", "read_ms"} as `save_handoff` kept them (None: none, or unreadable)."""
+    try:
+        rec = json.loads(path.read_text()) if path is not None else None
+        return rec if rec is not None and {"use", "probed", "copy_ms", "read_ms"} <= rec.keys() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_handoff(path: Path | None, use: bool, probed: bool, copy_ms: float, read_ms: float) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(use=use, probed=probed, copy_ms=copy_ms, read_ms=read_ms,
+                                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))))
 
 
 def load_acceptance(path: Path | None) -> tuple[float, float] | None:

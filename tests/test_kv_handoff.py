@@ -11,7 +11,8 @@ from real_prompts import PROMPTS
 
 import edgespec
 from edgespec.backends.llama_kv import KvHandoff, open_handoff, worth_handing
-from edgespec.drafters.draft_model import DraftModelDrafter
+from edgespec.calibration import HANDOFF_DOUBT, pair_path, save_acceptance
+from edgespec.drafters.draft_model import DraftModelDrafter, open_kv_handoff
 
 pytestmark = pytest.mark.real
 
@@ -55,6 +56,39 @@ def test_quantized_copy_takes_the_targets_cells(tiny_target: Path, tiny_q8: Path
         assert np.abs(handed - read).max() < 0.05 * (read.max() - read.min())
         d.truncate(10)  # and the copied cache rolls back as its own does
         assert d.n_past == 10
+
+
+def test_a_new_pair_is_trusted_on_its_shapes_and_its_costs_are_kept(tiny_target: Path, tiny_q8: Path, monkeypatch,
+                                                                   tmp_path: Path) -> None:
+    """A first open times the copy and the drafter's read (no probe: ~1 s of a first generation);
+    a later one times nothing; the draft model's cost prior reads its read cost from the handoff."""
+    from edgespec import calibration
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(KvHandoff, "probe", lambda self, tokens: pytest.fail("a pair never seen was probed"))
+    with _backend(tiny_target) as t, _backend(tiny_q8) as d:
+        h = open_kv_handoff(t, d)
+        assert h is not None and h.ms_per_token > 0 and h.read_ms > 0
+        assert t.n_past == 0 and d.n_past == 0
+        monkeypatch.setattr(KvHandoff, "time_costs", lambda self, tokens: pytest.fail("timed again"))
+        again = open_kv_handoff(t, d)
+        assert again is not None and (again.ms_per_token, again.read_ms) == (h.ms_per_token, h.read_ms)
+        monkeypatch.setattr(calibration, "read_cost", lambda *a, **k: pytest.fail("read timed again"))
+        cost = DraftModelDrafter(d, t.n_vocab, again).cost_prior()
+        assert cost.catch_up_ms == h.read_ms and cost.copy_ms == h.ms_per_token and cost.per_token_ms > 0
+        assert d.n_past == 0
+
+
+def test_a_pair_whose_drafts_were_seldom_right_is_probed_once(tiny_target: Path, tiny_q8: Path, monkeypatch,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    probes: list[int] = []
+    monkeypatch.setattr(KvHandoff, "probe", lambda self, tokens: probes.append(len(tokens)) or False)
+    with _backend(tiny_target) as t, _backend(tiny_q8) as d:
+        assert open_kv_handoff(t, d) is not None and not probes  # trusted at first
+        save_acceptance(pair_path(t, [d.path], greedy=True), 0.5 * HANDOFF_DOUBT * 20, 20)
+        assert open_kv_handoff(t, d) is None and len(probes) == 1  # in doubt: probed (and refused here)
+        assert open_kv_handoff(t, d) is None and len(probes) == 1  # the verdict is kept
 
 
 def test_no_handoff_across_different_shapes_or_cache_types(tiny_target: Path, tiny8: Path, tiny_q8: Path) -> None:

@@ -79,6 +79,25 @@ def test_calibration_keeps_a_cached_profile_and_times_only_the_missing_k(monkeyp
     assert calibrate(backend, ks=(1, 2, 4, 8, 16)) == t  # all cached now: nothing is timed again
 
 
+def test_a_calibration_with_set_repeats_times_just_that_after_the_context_asked(monkeypatch, tmp_path):
+    """A draft model's cost prior (T(1), T(2)) is a few steps after a short context: no estimate
+    pass, no speed check, no 64-token prefill (a first generation must not pay seconds for it)."""
+    from edgespec.calibration import calibrate
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    backend = _Reading(8, n_ctx=512)
+    backend.path = str(model)
+    evals: list[int] = []
+    real_eval = backend.eval
+    monkeypatch.setattr(backend, "eval", lambda tokens, rows="last": evals.append(len(tokens)) or real_eval(tokens, rows))
+    t = calibrate(backend, ks=(1, 2), context=16, repeats=3)
+    assert t[1] == pytest.approx(2.1, rel=0.3) and t[2] == pytest.approx(2.2, rel=0.3)
+    # the 16-token prefill, a one-token warm-up, then 3 × (T(1), T(2)): nothing else
+    assert evals == [16, 1] + [1, 2, 2, 1, 1, 2]
+
+
 def test_read_cost_is_a_batched_reads_ms_per_token():
     backend = _Reading(8, n_ctx=512)
     ms = read_cost(backend)

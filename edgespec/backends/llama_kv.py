@@ -11,11 +11,15 @@ sequence's cells is llama.cpp's own state API (`llama_state_seq_get_data` / `lla
 llama-context.cpp / llama-kv-cache.cpp `state_write` / `state_read`, which refuse a different layer
 count, type or row size): ~11 µs per context token here, against ~4.7 ms to evaluate it.
 
-Whether the stand-in is good is measured, not assumed (`KvHandoff.probe`): on a fixed text the
-drafter predicts the second half with its own cache and with the target's, and the handoff is used
-only if it agrees with the target's argmax about as often (a different model of the same shapes
-would draft worse from cells it did not compute). Like any drafter detail it can change the speed,
-never the output: verification decides every token.
+Whether the stand-in is good is measured where there is reason to doubt it (`KvHandoff.probe`): on
+a fixed text the drafter predicts the second half with its own cache and with the target's, and the
+handoff is used only if it agrees with the target's argmax about as often (a different model of the
+same shapes would draft worse from cells it did not compute). The probe costs ~1 s (SmolLM2 F32 +
+Q4_1 here), ~40 % of a first 128-token generation, and a quantized copy always passed it (98–99 of
+100 positions either way), so a pair never seen is trusted on its shapes, only its costs timed
+(`time_costs`); a pair whose drafts were then seldom right probes at its next open
+(drafters.draft_model.open_kv_handoff keeps the verdict and costs per pair). Like any drafter detail
+it can change the speed, never the output: verification decides every token.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ PROBE_TEXT = ("There were four of us - George, and William Samuel Harris, and my
               "Harris said he felt such extraordinary fits of giddiness come over him at times, that he hardly "
               "knew what he was doing; and then George said that he had fits of giddiness too.")
 PROBE_SLACK = 0.1  # the handoff may agree with the target on this share of probe positions fewer
+COST_TOKENS = 16  # tokens a trusted handoff's copy and the drafter's read are timed on
 
 
 def shapes_match(target: LlamaCppBackend, drafter: LlamaCppBackend) -> bool:
@@ -59,16 +64,25 @@ def worth_handing(target_ids: Sequence[int], own: Sequence[int], handed: Sequenc
     return agree_handed >= agree_own - PROBE_SLACK * len(t)
 
 
-def open_handoff(target: object, drafter: object) -> KvHandoff | None:
-    """A probed handoff from `target` to `drafter` (None: not llama.cpp on both sides, shapes that
-    differ, or a probe that says the drafter drafts worse from the target's cells)."""
+def open_handoff(target: object, drafter: object, probe: bool = True,
+                 costs: tuple[float, float] | None = None) -> KvHandoff | None:
+    """A handoff from `target` to `drafter` (None: not llama.cpp on both sides, shapes that differ, or
+    a probe that says the drafter drafts worse from the target's cells). `costs` (ms per copied
+    token, ms per read token) are what an earlier open measured: nothing is timed then. Without
+    `probe` the handoff is trusted on its shapes and only its costs are timed (`time_costs`, ~0.1 s
+    where the probe takes ~1 s): the caller decides when a pair's record gives reason to doubt it."""
     # a target subclass (MTP, features) keeps more than one sequence's cells in its own way
     if type(target) is not LlamaCppBackend or not isinstance(drafter, LlamaCppBackend):
         return None
     if not shapes_match(target, drafter):
         return None
     h = KvHandoff(target, drafter)
+    if costs is not None:
+        h.ms_per_token, h.read_ms = costs
+        return h
     tokens = target.tokenize(PROBE_TEXT)
+    if not probe:
+        return h if h.time_costs(tokens[:COST_TOKENS]) else None
     return h if len(tokens) >= 8 and h.probe(tokens) else None
 
 
@@ -97,6 +111,29 @@ class KvHandoff:
             return True
         dst._drop_all()  # whatever the failed restore left
         return False
+
+    def time_costs(self, tokens: Sequence[int]) -> bool:
+        """Time what a copy costs per token and what the drafter pays per token to read `tokens`
+        itself (after a one-token warm-up of its fresh context); False if llama.cpp refused the
+        cells. Leaves both caches empty."""
+        src, dst, n = self.target, self.drafter, len(tokens)
+        try:
+            src.truncate(0)
+            src.eval(tokens, rows="none")
+            dst.truncate(0)
+            dst.eval(tokens[:1], rows="last")
+            dst.truncate(0)
+            t0 = time.perf_counter()
+            dst.eval(tokens, rows="last")
+            self.read_ms = (time.perf_counter() - t0) * 1000 / n
+            dst.truncate(0)
+            t0 = time.perf_counter()
+            ok = self.copy()
+            self.ms_per_token = (time.perf_counter() - t0) * 1000 / n
+            return ok
+        finally:
+            src.truncate(0)
+            dst.truncate(0)
 
     def probe(self, tokens: Sequence[int]) -> bool:
         """Whether the handoff pays, on `tokens`: the target's argmax at each position of the second half,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # llama.cpp common/speculative.cpp: vocab sizes may differ by this much; token texts are compared
 # from this id on (ids below are control tokens that models number differently).
 VOCAB_MAX_SIZE_DIFFERENCE = 128
+DRAFT_CONTEXT = 16  # cached tokens a draft model's T(1) and T(2) are timed after (its cost prior)
 VOCAB_CHECK_START_TOKEN_ID = 5
 _VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo-2"}  # llama_vocab_type
 
@@ -122,13 +123,16 @@ class DraftModelDrafter:
         once per model and cached with its cost profile)."""
         from edgespec import calibration
 
-        t = calibration.calibrate(self.model, ks=(1, 2), budget_s=0.5, note=note)
-        read = calibration.read_cost(self.model, note=note)
-        self.reset()  # timing used the draft model's KV cache
+        # a few steps after a short context (~0.2 s for SmolLM2 Q4_1 here): a first generation
+        # must not pay seconds for a prior the cycles' own timings refine at once
+        t = calibration.calibrate(self.model, ks=(1, 2), note=note, context=DRAFT_CONTEXT, repeats=3)
         copy = None
-        if self.handoff is not None:  # what it missed is copied instead where that is cheaper
-            self.handoff.read_ms = read
+        if self.handoff is not None:  # what it missed is copied instead where that is cheaper;
+            read = self.handoff.read_ms  # its read cost was timed when the handoff opened
             copy = self.handoff.ms_per_token
+        else:
+            read = calibration.read_cost(self.model, note=note)
+        self.reset()  # timing used the draft model's KV cache
         return DraftCost(max(0.0, t[2] - t[1]), t[1], catch_up_ms=read, copy_ms=copy)
 
     def reset(self) -> None:
@@ -149,3 +153,25 @@ def _fit(q: np.ndarray, n: int) -> np.ndarray:
         s = q.sum()
         return q / s if s > 0 else np.full(n, 1.0 / n)
     return np.pad(q, (0, n - q.shape[0]))
+
+
+def open_kv_handoff(target: Backend, model: Backend) -> KvHandoff | None:
+    """The KV handoff from `target` to its draft model `model` (backends.llama_kv; None: none), as the
+    pair's record in the profiles directory says. A pair never seen is trusted on its shapes and only
+    its costs are timed (~0.1 s); one whose drafts were right less often than HANDOFF_DOUBT is probed
+    (~1 s) once, and the verdict kept; the costs measured are kept too, so a later open times nothing."""
+    from edgespec import calibration as cal
+    from edgespec.backends.llama_kv import open_handoff
+
+    path = cal.handoff_path(target, model)
+    rec = cal.load_handoff(path)
+    if rec is not None and not rec["use"]:
+        return None
+    accepted = cal.pair_acceptance(target, [model.path])
+    doubt = accepted is not None and accepted < cal.HANDOFF_DOUBT
+    if rec is not None and (rec["probed"] or not doubt):
+        return open_handoff(target, model, costs=(rec["copy_ms"], rec["read_ms"]))
+    h = open_handoff(target, model, probe=doubt)
+    if h is not None or doubt:
+        cal.save_handoff(path, h is not None, doubt, *((h.ms_per_token, h.read_ms) if h else (0.0, 0.0)))
+    return h

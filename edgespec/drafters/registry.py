@@ -247,7 +247,7 @@ def _head(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, opti
 
 def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl,
                  options: dict[str, Any]) -> Drafter:
-    from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
+    from edgespec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible, open_kv_handoff
 
     assert plan.path is not None
     model = open_backend(plan.path, backend, **options)
@@ -255,9 +255,7 @@ def _draft_model(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImp
         check_vocab_compatible(target, model)
         handoff = None
         if backend == "llama.cpp":  # a quantized copy of the target reads the target's cache (backends.llama_kv)
-            from edgespec.backends.llama_kv import open_handoff
-
-            handoff = open_handoff(target, model)
+            handoff = open_kv_handoff(target, model)
     except BaseException:
         model.close()
         raise
