@@ -152,7 +152,12 @@ def context_cost(backend: Backend, chunk: int | None = None, far: int = CONTEXT_
         return prof.context_ms
     k, n0 = 16, CONTEXT_TOKENS
     far = min(far, backend.n_ctx - n0 - k)
-    if far < 64 or (not refresh and _slow(backend)):  # `refresh` (edgespec profile) times it anyway
+    if far < 64:
+        return 0.0
+    if not refresh and _slow(backend):  # `refresh` (edgespec profile) times it anyway
+        # kept, as any measurement: a step near SLOW_STEP_S (an F32 target here) must not time it
+        # in whichever later engine meets a quick moment (~2 s of that engine's first generation)
+        save_profile(path, backend, context_ms=0.0)
         return 0.0
     if note:
         note(f"timing what each cached token adds for {Path(backend.path).name} (once per model)")

@@ -34,6 +34,21 @@ class _Attending(ReferenceBackend):
         return super().eval(tokens, rows)
 
 
+def test_a_backend_too_slow_to_time_the_context_term_is_not_asked_again(monkeypatch, tmp_path):
+    """The verdict is kept with the profile: a step near SLOW_STEP_S must not time the context term
+    in whichever later engine happens on a quick moment."""
+    from edgespec import calibration
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    backend = _Attending(us=2.0, step_s=0.03)
+    backend.path = str(model)
+    assert context_cost(backend, far=256, repeats=3) == 0.0
+    monkeypatch.setattr(calibration, "_slow", lambda b: pytest.fail("asked again"))
+    assert context_cost(backend, far=256, repeats=3) == 0.0
+
+
 def test_context_cost_measures_what_each_cached_token_adds():
     backend = _Attending(us=5.0)  # T(16) after 64 tokens: 5.6 ms; after 320: 26.1 ms
     ms = context_cost(backend, far=256, repeats=3)
