@@ -41,7 +41,7 @@ from edgespec.sampling import Dist, SamplingParams
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
            "best_gamma", "expected_rollback"]
-FREE_DRAFT = 0.05  # a drafter costing under this fraction of T(1) per token drafts in shadow
+FREE_DRAFT = 0.05  # a drafter whose longest draft costs under this fraction of T(1) drafts in shadow
 PROBE_BUDGET = 0.01  # share of plain-step time a costly drafter may lose on probes (halved per failed one)
 PROBE_ACCEPTANCE = 0.9  # a probe drafts what would win at this acceptance
 PROBE_SHARE = 0.25  # a drafter that could win g× may lose this × (g − 1) of plain-step time on probes
@@ -186,8 +186,14 @@ class Scheduler:
 
     @property
     def free(self) -> bool:
-        """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow."""
-        return self.cost.t_draft()[1] < FREE_DRAFT * self.cost.t_verify()[1]
+        """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow. A
+        free drafter drafts K_MAX − 1 tokens every cycle, so a drafter that prices itself (a model,
+        a head) is free only if that whole draft is: a feature head at ~1 ms a token beside an F32
+        target's 22 ms step is under FREE_DRAFT per token, but 31 tokens a cycle cost 1.4 steps (it
+        ran at 0.4–0.9× plain so). An unpriced one (a lookup) is judged per token, as timed."""
+        prior = self.cost.draft_prior
+        longest = K_MAX - 1 if prior.per_token_ms > 0 or prior.fixed_ms > 0 else 1
+        return self.cost.t_draft()[longest] < FREE_DRAFT * self.cost.t_verify()[1]
 
     @property
     def longest(self) -> int:

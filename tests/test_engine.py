@@ -236,6 +236,24 @@ class _BatchVariant(ReferenceBackend):
         return out
 
 
+class _ExactAtOne(ReferenceBackend):
+    """Batched forwards differ from single steps from 2 tokens on, like F16/F32 weights on CPU."""
+
+    def eval(self, tokens, rows="last"):
+        out = super().eval(tokens, rows)
+        return out + np.float32(1e-3) if len(tokens) > 1 and rows == "all" else out
+
+
+def test_a_target_exact_only_at_one_token_is_found_in_a_few_steps():
+    from edgespec.calibration import EXACT_FIRST, exact_batch
+
+    target = _ExactAtOne(6, seed=5)
+    assert exact_batch(target) == 1
+    # one prefill, EXACT_FIRST single steps, the failed 2-token batch: no second context (~0.7 s for
+    # SmolLM2 F32 here) and no single steps that no batch could pass
+    assert target.n_evals == 1 + EXACT_FIRST + 1
+
+
 def test_verification_is_split_where_the_backend_is_not_batch_invariant():
     from edgespec.calibration import exact_batch
 

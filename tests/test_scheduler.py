@@ -428,6 +428,25 @@ def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
     assert gammas[16] >= 10 and gammas[2] <= 2, gammas
 
 
+def test_a_priced_drafter_is_free_only_if_a_whole_shadow_draft_is():
+    """A feature head at ~1 ms a token beside an F32 target's 22 ms step is under FREE_DRAFT per token,
+    but a free drafter drafts K_MAX − 1 tokens every cycle (31 ms): it is priced as costly, and a weak
+    one is not asked for a draft each plain step. A lookup (unpriced) stays free."""
+    from edgespec.scheduler import FREE_DRAFT
+
+    t = _linear(22.0, 1.0)
+    costs = {k: t[k] for k in range(1, K_MAX + 1)}
+    head = Scheduler(CostModel(costs, draft_per_token_ms=1.0))
+    assert head.cost.t_draft()[1] < FREE_DRAFT * t[1] and not head.free
+    assert Scheduler(CostModel(costs, draft_per_token_ms=0.02)).free  # 31 tokens: 0.6 ms
+    assert Scheduler(CostModel(costs)).free
+    drafter = _ScriptedDrafter(token=1)  # never right
+    gammas = _simulate(head, drafter, t, 1.0, cycles=60)
+    # tried at once (it could win at a same-family acceptance), then probed now and then on a small
+    # budget: not asked for 31 tokens every cycle (as a free drafter it drafted in all 60)
+    assert drafter.calls <= 12 and sum(gammas[-30:]) <= 8, (drafter.calls, gammas)
+
+
 @pytest.mark.parametrize("draft_ms", [0.0, 1.0])  # a free copier, a cheap costly drafter
 def test_only_a_free_drafters_copies_are_verified_beyond_costly_gamma(draft_ms):
     """Verification is nearly free per token and every draft is right: a free drafter copying from a
