@@ -260,6 +260,12 @@ def pair_acceptance(target: Backend, drafter_paths: Sequence[str]) -> float | No
     return max(seen, default=None)
 
 
+def vocab_path(target: Backend, drafter: Backend) -> Path | None:
+    """Where it is kept that a draft model's vocabulary fits the target's (the two files' keys)."""
+    key = _pair_key(target, [drafter.path])
+    return None if key is None else profile_dir() / f"vocab-{key}.ok"
+
+
 HANDOFF_DOUBT = 0.5  # a KV handoff pair whose drafts were right less often than this is probed
 
 

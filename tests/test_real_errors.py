@@ -121,6 +121,26 @@ def test_vocab_mismatch_names_both_files_and_first_token(smollm2_path, gemma_q4_
     assert msg.index(str(smollm2_path)) < msg.index(str(gemma_q4_path))  # "drafter X ... target Y"
 
 
+def test_a_compatible_pair_is_compared_once_a_mismatch_every_time(smollm2_path, gemma_q4_path, tiny_target,
+                                                                 tiny_drafter, monkeypatch, tmp_path):
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+    from edgespec.drafters import draft_model
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    compared = []
+    real = draft_model._compare_vocabs
+    monkeypatch.setattr(draft_model, "_compare_vocabs", lambda t, d: compared.append(1) or real(t, d))
+    with LlamaCppBackend(tiny_target, n_ctx=64, threads=1) as t, LlamaCppBackend(tiny_drafter, n_ctx=64, threads=1) as d:
+        draft_model.check_vocab_compatible(t, d)
+        draft_model.check_vocab_compatible(t, d)
+    assert len(compared) == 1  # kept per pair of files in $EDGESPEC_HOME/profiles
+    with LlamaCppBackend(gemma_q4_path, n_ctx=64, threads=1) as t, LlamaCppBackend(smollm2_path, n_ctx=64, threads=1) as d:
+        for _ in range(2):
+            with pytest.raises(VocabMismatchError):
+                draft_model.check_vocab_compatible(t, d)
+    assert len(compared) == 3
+
+
 def test_same_vocab_pair_loads_and_drafts(tiny_target, tiny_drafter):
     with edgespec.load(tiny_target, drafter=tiny_drafter, n_ctx=256, threads=1, num_draft=4) as eng:
         out = eng.generate(PROMPT, max_tokens=16)
