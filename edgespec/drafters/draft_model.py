@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 # llama.cpp common/speculative.cpp: vocab sizes may differ by this much; token texts are compared
 # from this id on (ids below are control tokens that models number differently).
 VOCAB_MAX_SIZE_DIFFERENCE = 128
-DRAFT_CONTEXT = 16  # cached tokens a draft model's T(1) and T(2) are timed after (its cost prior)
+DRAFT_CONTEXT = 16  # cached tokens a draft model's T(1) and T(2) are timed after (its cost prior) ...
+DRAFT_REPEATS = 5  # ... in this many alternating repeats (SmolLM2 Q4_1 here, 6 timings each: T(1)
+# 8.1-10.8 ms with 3, 8.2-9.0 with 5 after 64 tokens; medians 8.9 and 8.6)
 VOCAB_CHECK_START_TOKEN_ID = 5
 _VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo-2"}  # llama_vocab_type
 
@@ -136,9 +138,9 @@ class DraftModelDrafter:
         once per model and cached with its cost profile)."""
         from edgespec import calibration
 
-        # a few steps after a short context (~0.2 s for SmolLM2 Q4_1 here): a first generation
+        # a few steps after a short context (~0.25 s for SmolLM2 Q4_1 here): a first generation
         # must not pay seconds for a prior the cycles' own timings refine at once
-        t = calibration.calibrate(self.model, ks=(1, 2), note=note, context=DRAFT_CONTEXT, repeats=3)
+        t = calibration.calibrate(self.model, ks=(1, 2), note=note, context=DRAFT_CONTEXT, repeats=DRAFT_REPEATS)
         copy = None
         if self.handoff is not None:  # what it missed is copied instead where that is cheaper;
             read = self.handoff.read_ms  # its read cost was timed when the handoff opened
