@@ -186,11 +186,9 @@ class Scheduler:
 
     @property
     def free(self) -> bool:
-        """Drafting costs next to nothing (n-gram): no probes needed, plain steps draft in shadow. A
-        free drafter drafts K_MAX − 1 tokens every cycle, so a drafter that prices itself (a model,
-        a head) is free only if that whole draft is: a feature head at ~1 ms a token beside an F32
-        target's 22 ms step is under FREE_DRAFT per token, but 31 tokens a cycle cost 1.4 steps (it
-        ran at 0.4–0.9× plain so). An unpriced one (a lookup) is judged per token, as timed."""
+        """Drafting costs next to nothing (n-gram): no probes, plain steps draft in shadow, K_MAX − 1
+        tokens a cycle, so a priced drafter (model, head) is free only if that whole draft is (a head
+        at 1 ms a token beside a 22 ms step is not). A lookup is judged per token, as timed."""
         prior = self.cost.draft_prior
         longest = K_MAX - 1 if prior.per_token_ms > 0 or prior.fixed_ms > 0 else 1
         return self.cost.t_draft()[longest] < FREE_DRAFT * self.cost.t_verify()[1]
