@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgespec.acceptance import Acceptance, Calibration
 from edgespec.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.errors import EdgespecError
@@ -60,56 +61,6 @@ PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier eng
 # draft model draft up to 31 for SmolLM2 F32 gained greedy (1.49 vs 1.41) but lost at T 0.7
 # (1.26 vs 1.35) and in the ngram,model chain (1.85 vs 2.06), each one run on the same machine
 COSTLY_GAMMA = 15
-
-
-class Acceptance:
-    """a_i = P(draft i accepted | drafts before it were), from exponentially decayed counts with a
-    prior; a position not yet seen borrows its predecessor's estimate as its prior."""
-
-    def __init__(self, prior: float = 0.5, strength: float = 1.0, decay: float = 0.8) -> None:
-        self.hits, self.tries = [0.0] * K_MAX, [0.0] * K_MAX
-        self.prior, self.strength, self.decay = prior, strength, decay
-        self._rates: list[float] | None = None
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A verified draft: positions 1..accepted passed, accepted+1 (if drafted) failed."""
-        for i in range(min(accepted + 1, drafted)):
-            self.observe_position(i, i < accepted)
-
-    def observe_position(self, i: int, ok: float) -> None:
-        """Position i+1 was judged (its predecessors having passed): ok is 1/0, or the chance it passed."""
-        self.hits[i] = self.decay * self.hits[i] + ok
-        self.tries[i] = self.decay * self.tries[i] + 1
-        self._rates = None
-
-    @property
-    def rates(self) -> list[float]:
-        if self._rates is None:
-            out, prev = [], self.prior
-            for h, n in zip(self.hits, self.tries):
-                prev = (h + self.strength * prev) / (n + self.strength)
-                out.append(prev)
-            self._rates = out
-        return self._rates
-
-
-class Calibration:
-    """P(accept | the drafter's confidence c) in 10 bins of c: decayed counts with prior c."""
-
-    def __init__(self, strength: float = 4.0, decay: float = 0.98) -> None:
-        self.hits, self.tries = np.zeros(10), np.zeros(10)
-        self.strength, self.decay = strength, decay
-
-    def __call__(self, c: float, prior: float | None = None) -> float:
-        """P(accept | c): the bin's counts, with `prior` (default c) worth `strength` of them."""
-        b = min(int(c * 10), 9)
-        return (self.hits[b] + self.strength * (c if prior is None else prior)) / (self.tries[b] + self.strength)
-
-    def observe(self, confidence: Sequence[float], accepted: int) -> None:
-        for i, c in enumerate(confidence[: accepted + 1]):
-            b = min(int(c * 10), 9)
-            self.hits[b] = self.decay * self.hits[b] + (i < accepted)
-            self.tries[b] = self.decay * self.tries[b] + 1
 
 
 @dataclass
