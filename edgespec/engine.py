@@ -17,12 +17,12 @@ import numpy as np
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile
 from edgespec.drafters.base import Draft, Drafter, reusable_prefix
-from edgespec.drafters.chain import ChainScheduler
+from edgespec.schedule.chain import ChainScheduler
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.generation import Chunk, Generating, cut
-from edgespec.pricing import Pricing
+from edgespec.schedule.pricing import Pricing
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.scheduler import K_MAX, Scheduler, check_num_draft
+from edgespec.schedule.scheduler import K_MAX, Scheduler, check_num_draft
 from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import accept_greedy, verify_stochastic

@@ -6,7 +6,7 @@
    result is a frozen Plan of resolved paths and drafter plans.
 2. open (`Session`): the target and each drafter, through drafters.registry's tables; one Engine
    over them (a bench swaps its drafter between configs).
-3. price (`Session.price`): the target's cost profile and each drafter's prior (edgespec.pricing),
+3. price (`Session.price`): the target's cost profile and each drafter's prior (edgespec.schedule.pricing),
    from which the scheduler's cost model is built: only for num_draft "auto" with a drafter.
 
 edgespec.load, `edgespec generate/chat/serve/bench/profile` come through here.
@@ -33,7 +33,7 @@ from edgespec.drafters.registry import (
     plan_model,
 )
 from edgespec.engine import Engine
-from edgespec.scheduler import check_num_draft
+from edgespec.schedule.scheduler import check_num_draft
 
 Spec = str | os.PathLike[str]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edgespec.rate import Decision
+    from edgespec.schedule.rate import Decision
 
 
 def peak_rss_mb() -> float:

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from edgespec.drafters.base import Draft
-from edgespec.drafters.chain import ChainScheduler, DrafterChain, members
+from edgespec.drafters.chain import DrafterChain, members
+from edgespec.schedule.chain import ChainScheduler
 from edgespec.drafters.history import HistoryDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.drafters.registry import open_drafter, plan_drafter
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams
-from edgespec.scheduler import K_MAX, Acceptance, CostModel, Scheduler
+from edgespec.schedule.scheduler import K_MAX, Acceptance, CostModel, Scheduler
 
 GREEDY = SamplingParams()
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgespec.costs import K_MAX, CostModel
+from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.drafters.base import DraftCost
-from edgespec.scheduler import best_gamma
+from edgespec.schedule.scheduler import best_gamma
 
 
 def _verify(t1: float, slope: float) -> dict[int, float]:

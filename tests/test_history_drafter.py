@@ -368,7 +368,7 @@ def test_registry_specs(tmp_path):
 def fixed_costs(monkeypatch):
     """-k auto with known costs (as in test_lossless_reference), so that the scheduler speculates."""
     from edgespec import calibration as profile
-    from edgespec.scheduler import CostModel
+    from edgespec.schedule.scheduler import CostModel
 
     monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {
         k: 0.05 if tuple(ks) != profile.CALIBRATION_KS else 1 + 0.1 * (k - 1) for k in ks})  # a drafter: 0.05

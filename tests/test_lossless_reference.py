@@ -29,7 +29,7 @@ def fixed_costs(monkeypatch):
     """-k auto on the reference backend with known costs (T(k) = 1 + 0.1(k−1) ms, drafts 0.05 ms)
     instead of the microsecond numpy timings, so that the scheduler does speculate."""
     from edgespec import calibration as profile
-    from edgespec.scheduler import CostModel
+    from edgespec.schedule.scheduler import CostModel
 
     monkeypatch.setattr(profile, "calibrate", lambda backend, ks=profile.CALIBRATION_KS, **kw: {
         k: 0.05 if tuple(ks) != profile.CALIBRATION_KS else 1 + 0.1 * (k - 1) for k in ks})  # a drafter: 0.05

@@ -12,13 +12,13 @@ import pytest
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 from edgespec.backends.reference import ReferenceBackend
-from edgespec.costs import K_MAX, CostModel
+from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
 from edgespec.errors import BackendError
 from edgespec.sampling import SamplingParams
-from edgespec.scheduler import best_gamma, expected_rollback
+from edgespec.schedule.scheduler import best_gamma, expected_rollback
 
 
 def test_a_recurrent_reference_rolls_back_only_through_its_checkpoint():

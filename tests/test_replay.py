@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgespec.bench import replay
-from edgespec.costs import K_MAX
+from edgespec.schedule.costs import K_MAX
 
 T = [0.0] + [0.9 + 0.1 * k for k in range(1, K_MAX + 1)]  # T(k) = 0.9 + 0.1·k: T(1) = 1
 OUT = list(range(100, 140))  # 40 tokens, each once

@@ -8,7 +8,7 @@ import pytest
 
 from edgespec.drafters.base import Draft
 from edgespec.sampling import SamplingParams
-from edgespec.scheduler import K_MAX, Acceptance, CostModel, RobustTime, Scheduler, best_gamma
+from edgespec.schedule.scheduler import K_MAX, Acceptance, CostModel, RobustTime, Scheduler, best_gamma
 
 GREEDY = SamplingParams()
 
@@ -301,7 +301,7 @@ def test_a_pair_record_outweighs_one_bad_start_but_not_a_lasting_one():
     """The record earlier engines kept (0.99 over 300 positions) is worth PAIR_WEIGHT positions: a
     first text that misses 2 of 5 leaves the next text drafting; a pair that keeps missing here
     overrules the record within a few dozen positions."""
-    from edgespec.scheduler import PAIR_WEIGHT
+    from edgespec.schedule.scheduler import PAIR_WEIGHT
 
     t, _ = _bandwidth_bound()
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), 0.99, 300.0)
@@ -432,7 +432,7 @@ def test_a_priced_drafter_is_free_only_if_a_whole_shadow_draft_is():
     """A feature head at ~1 ms a token beside an F32 target's 22 ms step is under FREE_DRAFT per token,
     but a free drafter drafts K_MAX − 1 tokens every cycle (31 ms): it is priced as costly, and a weak
     one is not asked for a draft each plain step. A lookup (unpriced) stays free."""
-    from edgespec.scheduler import FREE_DRAFT
+    from edgespec.schedule.scheduler import FREE_DRAFT
 
     t = _linear(22.0, 1.0)
     costs = {k: t[k] for k in range(1, K_MAX + 1)}
@@ -452,7 +452,7 @@ def test_only_a_free_drafters_copies_are_verified_beyond_costly_gamma(draft_ms):
     """Verification is nearly free per token and every draft is right: a free drafter copying from a
     long match is verified up to K_MAX − 1 tokens at once; a costly one drafts at most COSTLY_GAMMA
     (its long draft's tail is a bet at the margin, where sampled and chained runs lost)."""
-    from edgespec.scheduler import COSTLY_GAMMA
+    from edgespec.schedule.scheduler import COSTLY_GAMMA
 
     t = _linear(10.0, 0.2)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))

@@ -40,7 +40,7 @@ from edgespec.calibration import CONTEXT_TOKENS as PROFILE_CONTEXT
 from edgespec.drafters.base import Draft
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.sampling import SamplingParams
-from edgespec.scheduler import K_MAX, CostModel, Scheduler
+from edgespec.schedule.scheduler import K_MAX, CostModel, Scheduler
 
 GREEDY = SamplingParams()
 Policy = Callable[[list[int], int], list[int]]  # (context, most drafts allowed) -> draft

@@ -70,7 +70,7 @@ def bench(
     """
     from edgespec.backends.llama_cpp import default_threads
     from edgespec.bench.run import Config
-    from edgespec.scheduler import check_num_draft
+    from edgespec.schedule.scheduler import check_num_draft
     from edgespec.session import Session, plan
 
     threads = threads or default_threads()

@@ -44,7 +44,7 @@ class RunOptions:
         """Reject bad values before any model is loaded."""
         from edgespec.drafters.registry import BACKENDS
         from edgespec.sampling import SamplingParams
-        from edgespec.scheduler import check_num_draft
+        from edgespec.schedule.scheduler import check_num_draft
 
         SamplingParams(self.temp, self.top_k, self.top_p, self.min_p)
         if self.backend not in BACKENDS:
@@ -76,7 +76,7 @@ class RunOptions:
     @property
     def gamma(self) -> int | str:
         """--num-draft as the engine takes it: an int, or "auto"."""
-        from edgespec.scheduler import check_num_draft
+        from edgespec.schedule.scheduler import check_num_draft
 
         return check_num_draft(self.num_draft)
 

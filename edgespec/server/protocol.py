@@ -15,7 +15,7 @@ from typing import Any
 
 from edgespec.errors import EdgespecError
 from edgespec.sampling import InvalidSamplingError, SamplingParams
-from edgespec.scheduler import check_num_draft
+from edgespec.schedule.scheduler import check_num_draft
 from edgespec.stats import Stats
 
 MAX_BODY = 1 << 20  # bytes; a larger body is refused with 413

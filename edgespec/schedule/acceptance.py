@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgespec.costs import K_MAX
+from edgespec.schedule.costs import K_MAX
 
 
 class Acceptance:

@@ -2,7 +2,7 @@
 
     rate(γ) = E[tokens | γ] / (T_draft(γ) + T_verify(γ + 1) + E[rollback | γ]),  E[tokens | γ] = 1 + S₁ + … + S_γ
 
-with S_i the chance that drafts 1..i are all accepted (edgespec.scheduler learns them).
+with S_i the chance that drafts 1..i are all accepted (edgespec.schedule.scheduler learns them).
 """
 
 from __future__ import annotations

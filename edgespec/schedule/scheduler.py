@@ -7,12 +7,12 @@ Each cycle takes the γ (0 = a plain step) with the most expected tokens per sec
 with E[tokens | γ] = 1 + S₁ + … + S_γ, where S_i (S₀ = 1), the chance that drafts 1..i are all
 accepted, is the product of per-position conditional
 acceptance rates learned online, or of the drafter's calibrated confidences for tokens already
-drafted (DSpark's survival product). Costs (edgespec.costs) start from the cost profile and the
+drafted (DSpark's survival product). Costs (edgespec.schedule.costs) start from the cost profile and the
 drafter's prior, follow the cycles actually timed and grow with the context (attention is not
 shared by a batch); T_draft(γ) = fixed + γ·per_token, and a block
 drafter (DFlash: one forward for every row) has paid for all rows before its confidences are known,
 so its confidence cut shortens verification only. T_rollback is 0 for a KV cache; a recurrent
-target re-evaluates the kept tokens after a partial acceptance (edgespec.costs). When no γ > 0 wins,
+target re-evaluates the kept tokens after a partial acceptance (edgespec.schedule.costs). When no γ > 0 wins,
 plain steps run and learning goes on: a free drafter (n-gram)
 drafts in shadow and is scored against what the target emits next; a costly one is probed on a
 small time budget.
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgespec.acceptance import Acceptance, Calibration
-from edgespec.costs import K_MAX, CostModel, RobustTime
+from edgespec.schedule.acceptance import Acceptance, Calibration
+from edgespec.schedule.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.errors import EdgespecError
-from edgespec.rate import Decision, best_gamma, expected_rollback
+from edgespec.schedule.rate import Decision, best_gamma, expected_rollback
 from edgespec.sampling import Dist, SamplingParams
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",

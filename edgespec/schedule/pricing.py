@@ -15,8 +15,9 @@ from pathlib import Path
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile, pair_path
 from edgespec.drafters.base import DraftCost, Drafter
-from edgespec.drafters.chain import ChainScheduler, DrafterChain, members
-from edgespec.scheduler import CostModel, Scheduler
+from edgespec.drafters.chain import DrafterChain, members
+from edgespec.schedule.chain import ChainScheduler
+from edgespec.schedule.scheduler import CostModel, Scheduler
 
 MIN_CHUNK = 4  # the smallest verification split worth making (see Pricing.chunk)
 
