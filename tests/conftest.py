@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,19 @@ import pytest
 from gguf_fixtures import build_tiny_llama
 
 from edgespec.errors import ModelLoadError
-from edgespec.models import resolve_model
+from edgespec.models import edgespec_home, resolve_model
+
+# Every test starts from a clean state: $EDGESPEC_HOME is a fresh temporary folder holding only a link
+# to the fetched models, so no test reads a cost profile, pair record or conversion that an earlier run
+# (or the user) left, and none writes into the user's cache. A test that needs a profile makes it.
+USER_HOME = edgespec_home()
+TEST_HOME = Path(tempfile.mkdtemp(prefix="edgespec-test-home-"))
+(TEST_HOME / "models").symlink_to((USER_HOME / "models").resolve(), target_is_directory=True)
+os.environ["EDGESPEC_HOME"] = str(TEST_HOME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_HOME, ignore_errors=True)  # the link only: rmtree does not follow it
 
 
 def _fetched(name: str) -> Path:
