@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from edgespec.backends.base import Backend
 from edgespec.drafters.base import Drafter
 from edgespec.drafters.heads import HeadImpl
 from edgespec.drafters.registry import (
@@ -119,11 +118,6 @@ class Session:
             self.engine = Engine(target, first, num_draft=plan.num_draft)
             opened.pop_all()
 
-    def use(self, spec: str | None) -> Engine:
-        """The engine, drafting with the drafter planned as `spec` (None: none)."""
-        self.engine.drafter = None if spec is None else self.drafters[spec]
-        return self.engine
-
     def price(self, note: Callable[[str], None] | None = None) -> None:
         """Phase 3: load (or time, and cache per model) what the target and each drafter cost, which
         the scheduler starts from; `note` hears of any timing. The first auto generation would do it."""
@@ -157,13 +151,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_target(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp",
-                **options: Any) -> Backend:
-    """The target `drafters` need, by name: plain, or capturing the layers the first head reads."""
-    p = plan(target, drafters, backend, **{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
-    return open_backend(p.target, backend, p.layers, mtp=p.mtp, **options)
 
 
 def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend: str = "llama.cpp",

@@ -24,10 +24,18 @@ from edgespec.backends.reference import ReferenceFeatureBackend
 from edgespec.drafters.dflash import DFlashDrafter
 from edgespec.drafters.dspark import DSparkDrafter
 from edgespec.drafters.eagle import EagleDrafter
+from edgespec.drafters.registry import open_backend
 from edgespec.heads.dflash import DFlashConfig, random_tensors
 from edgespec.heads.dflash_gguf import write_dflash_gguf
 from edgespec.heads.dspark import MarkovHead
 from edgespec.sampling import SamplingParams
+from edgespec.session import Options, plan
+
+
+def open_target(target: Any = None, drafters: Any = (), backend: str = "llama.cpp", **options: Any) -> Any:
+    """The target `drafters` need, by name: plain, or capturing the layers the first head reads."""
+    p = plan(target, drafters, backend, **{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
+    return open_backend(p.target, backend, p.layers, mtp=p.mtp, **options)
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95)
 N_VOCAB = 49152  # SmolLM2's tokenizer, shared by the tiny targets

@@ -12,12 +12,12 @@ import pytest
 
 from edgespec.drafters.base import Draft
 from edgespec.drafters.chain import DrafterChain, members
-from edgespec.schedule.chain import ChainScheduler
 from edgespec.drafters.history import HistoryDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.drafters.registry import open_drafter, plan_drafter
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams
+from edgespec.schedule.chain import ChainScheduler
 from edgespec.schedule.scheduler import K_MAX, Acceptance, CostModel, Scheduler
 
 GREEDY = SamplingParams()

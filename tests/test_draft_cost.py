@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.drafters.base import DraftCost
+from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.schedule.scheduler import best_gamma
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from head_cases import BLOCK, GREEDY, SAMPLED, chain_rows, reference
+from head_cases import BLOCK, GREEDY, SAMPLED, chain_rows, open_target, reference
 from head_oracles import oracle_drafter
 
 from edgespec.drafters.dspark import DSparkDrafter
 from edgespec.sampling import process
-from edgespec.session import open_target
 
 
 def test_drafts_are_chained_and_confidences_are_the_heads():

@@ -26,6 +26,7 @@ from head_cases import (
     fresh_view,
     greedy_lossless,
     kv,
+    open_target,
     reference,
     tiny_head_config,
     view,
@@ -46,7 +47,6 @@ from edgespec.heads.dflash_gguf import write_dflash_gguf
 from edgespec.heads.eagle3 import Eagle3Config, random_tensors
 from edgespec.heads.gguf_io import write_eagle3_gguf
 from edgespec.sampling import process
-from edgespec.session import open_target
 
 # kind → (γ values, max_tokens, acceptance floor) of the greedy test: γ 4 is a block kind's whole
 # block (B − 1), 9 is clamped to it; measured EAGLE-3 acceptance: γ=1 0.47, γ=3 0.40

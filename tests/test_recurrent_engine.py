@@ -12,12 +12,12 @@ import pytest
 from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 from edgespec.backends.reference import ReferenceBackend
-from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.drafters.draft_model import DraftModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
 from edgespec.errors import BackendError
 from edgespec.sampling import SamplingParams
+from edgespec.schedule.costs import K_MAX, CostModel
 from edgespec.schedule.scheduler import best_gamma, expected_rollback
 
 

@@ -81,12 +81,6 @@ def head_arch(path: Spec) -> str | None:
     return arch if isinstance(arch, str) else None
 
 
-def is_feature_head(spec: Spec | None) -> bool:
-    """Whether `spec` is an EAGLE-3 or DFlash head GGUF or checkpoint directory (whose target must
-    capture features)."""
-    return spec is not None and (head_arch(spec) in HEAD_KINDS or is_head_dir(spec))
-
-
 def is_head_dir(spec: Spec) -> bool:
     if not Path(spec).expanduser().is_dir():  # "ngram", a GGUF file, a model name
         return False

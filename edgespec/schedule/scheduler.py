@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgespec.schedule.acceptance import Acceptance, Calibration
-from edgespec.schedule.costs import K_MAX, CostModel, RobustTime
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.errors import EdgespecError
-from edgespec.schedule.rate import Decision, best_gamma, expected_rollback
 from edgespec.sampling import Dist, SamplingParams
+from edgespec.schedule.acceptance import Acceptance, Calibration
+from edgespec.schedule.costs import K_MAX, CostModel, RobustTime
+from edgespec.schedule.rate import Decision, best_gamma, expected_rollback
 
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "RobustTime", "Scheduler",
            "best_gamma", "expected_rollback"]
