@@ -1,223 +1,431 @@
-"""Replay plain greedy generations through n-gram drafting policies with modeled costs: no noise.
+"""Replay recorded drafter traces (edgespec.bench.trace) under every policy on every device's costs.
 
-Each bench task is generated once, greedy and plain, through the target. Every policy is then
-replayed over that output: the n-gram drafter drafts from the true context, verification accepts
-the longest prefix equal to the output (exactly what greedy verification does), and a cycle that
-verifies γ drafts costs T(γ+1) from the target's cost profile (n-gram drafting is free), plus the
-attention each verified token pays for the tokens cached before it: the profile times forwards
-after 64 cached tokens, and llama.cpp's CPU flash attention adds a cost per query token and cached
-token (measured at start, `--ctx-us`) that batching does not share. Policies:
+A trace holds, for one task, the target's output and the draft the drafter proposes at every position
+from the true context. A cycle at position p verifies γ of that draft. Greedy: the accepted drafts are
+exactly the draft's match with output[p:]. T > 0: drafted position i is accepted with probability
+accept[p + i] (one uniform per position from a fixed-seed rng, shared by every policy), up to the first
+reject: an approximation (the real draft at p + i would follow sampled, not recorded, tokens). A cycle
+costs the drafting the drafter did (all it computed, even what is then cut: a free drafter's 31-token
+shadow draft included) plus T(γ + 1, context), T(k, c) = T(k) + k · ctx · (c − 64) with the device's
+T(k) and ctx_us; plain decoding costs T(1, c) per token. Speedup = plain time / the policy's time.
 
-- auto: the real `Scheduler`, given the profile's costs (and the context cost, as the engine's)
-  and the replayed cycles' modeled times;
-- k=N: a fixed γ (edgespec's n-gram drafter, n-gram sizes 4 down to 2);
-- native-N: llama.cpp's ngram-simple as `llama-speculative-simple` runs it (one 3-gram lookup,
-  drafts only with at least 3 tokens to copy, then up to N);
-- oracle: the best γ for every cycle knowing the output (a dynamic program over positions), the
-  ceiling of this drafter at these costs.
+Policies: `auto` (the real Scheduler, ChainScheduler for chains, built from the device's costs, fed
+the modeled times in seconds as the engine feeds it, one per trace set: what it learns carries over
+tasks, `new_generation` per task); every fixed γ (1..15, 1..31 for a copying drafter) and `best-fixed`
+(the best over the whole set, what MTPLX `tune` picks); the controllers of edgespec.bench.policies
+(llama.cpp, transformers, ik_llama.cpp, BeeLlama); `oracle`, the best γ per cycle knowing the output
+(a dynamic program; at T > 0 over the expected accepted length from accept[]), the ceiling. Chains
+(a copying and a costly drafter of one target and temperature) get `auto` and `oracle` only.
+At T > 0 `emitted()` gets probs=None: a shadow token is credited when the sampled output equals it,
+whose mean for a copying drafter (one-hot q) is p(x̃), the credit the engine's probs give; only free
+drafters are scored in shadow.
 
-Speedup = Σ T(1, context) over the tokens / Σ T(γ+1, context) over the cycles, with
-T(k, c) = T(k) + k · ctx_us · (c − 64). It is a model without the machine's noise, so policies
-compare exactly; `--ctx-us 0` drops the context term (T(k) as profiled).
+    .venv/bin/python -m edgespec.bench.replay --traces tests/fixtures/traces --device all    # make replay
 
-    .venv/bin/python -m edgespec.bench.replay --target smollm2 --per-category 10 --max-tokens 96
-
-A research tool beside `edgespec bench` (tests/test_replay.py checks the policies and the oracle);
-nothing in the runtime imports it.
+Ends with one line: REPLAY traces=<trace sets> devices=<devices> auto_min_task=… auto_min_category=…
+auto_vs_best_fixed_median=… auto_vs_best_controller_median=… auto_vs_oracle_median=… (medians over
+(device, trace set) cells of the whole-set speedup ratios). `check` is the regression gate
+(tests/test_replay_gate.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from edgespec.calibration import CONTEXT_TOKENS as PROFILE_CONTEXT
-from edgespec.drafters.base import Draft
-from edgespec.drafters.ngram import NgramDrafter
+from edgespec.bench import policies as pol
+from edgespec.bench.trace import Trace, TraceSet
+from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
-from edgespec.schedule.scheduler import K_MAX, CostModel, Scheduler
+from edgespec.schedule import ChainScheduler, CostModel, Scheduler
+from edgespec.schedule.costs import K_MAX
 
-GREEDY = SamplingParams()
-Policy = Callable[[list[int], int], list[int]]  # (context, most drafts allowed) -> draft
-
-
-def true_costs(t: Sequence[float], ctx_ms: float = 0.0) -> CostModel:
-    """The replay's true costs: a cost model that observes nothing, so T(k, c) is the profile's T(k)
-    (index 0 unused) plus the attention each query token pays per cached token (batches do not share it)."""
-    return CostModel({k: t[k] for k in range(1, len(t))}, ctx_ms=ctx_ms, base_context=PROFILE_CONTEXT)
+BASE_CONTEXT = 64  # the context T(k) is profiled after (edgespec.calibration.CONTEXT_TOKENS)
+CONTROLLERS = ("llama.cpp", "hf-heuristic", "ik-autotune", "bee-profit")
+SHOWN_FIXED = (1, 2, 4, 8, 15, 31)
 
 
-def plain_ms(c: CostModel, context: int, n: int) -> float:
-    """ms for plain decoding to emit n tokens after `context` cached ones."""
-    return sum(c.t_verify(context + i)[1] for i in range(n))
+class Costs:
+    """A device's true costs for one drafter kind (device: edgespec.bench.devices.Device)."""
+
+    def __init__(self, device: Any, kind: str) -> None:
+        self.device, self.kind = device, kind
+        self.t = list(device.t_ms)
+        self.ctx_ms = device.ctx_us / 1000.0
+
+    def verify(self, k: int, context: int) -> float:
+        return self.t[k] + k * self.ctx_ms * max(0, context - BASE_CONTEXT)
+
+    def draft(self, n: int) -> float:
+        return self.device.draft_ms(self.kind, n) if n > 0 else 0.0
+
+    def prior(self) -> DraftCost | None:
+        fixed, per_token = (x * self.t[1] for x in self.device.draft[self.kind])
+        if fixed <= 0 and per_token <= 0:
+            return None
+        return DraftCost(fixed, per_token, block=per_token <= 0)
+
+    def model(self) -> CostModel:
+        """The scheduler's starting cost model, as the engine's Pricing builds it."""
+        return CostModel.for_drafter({k: self.t[k] for k in range(1, len(self.t))}, self.prior(),
+                                     ctx_ms=self.ctx_ms, base_context=BASE_CONTEXT)
 
 
-@dataclasses.dataclass
-class Generation:
-    """A task's prompt ids, its plain greedy output and budget (eos: the output ended the text)."""
+@dataclass
+class Task:
+    """One trace made ready to replay: per position the draft on offer and how much of it passes."""
 
-    id: str
+    trace: Trace
+    offer: list[int]  # draft length recorded at p (≤ K_MAX − 1)
+    run: list[int]  # drafts that pass if verified (≤ offer, ≤ tokens left after p's own)
+    accept: list[float] | None  # T > 0: P(first draft token accepted) per position
+
+
+def prepare(trace: Trace, temperature: float, seed: int = 0) -> Task:
+    n, out = len(trace.output), trace.output
+    offer = [min(len(d), K_MAX - 1) for d in trace.drafts]
+    if temperature == 0 or trace.accept is None:
+        run = []
+        for p, d in enumerate(trace.drafts):
+            m, most = 0, min(offer[p], n - p - 1)
+            while m < most and d[m] == out[p + m]:
+                m += 1
+            run.append(m)
+        return Task(trace, offer, run, None)
+    u = np.random.default_rng([seed, *map(ord, trace.task)]).random(n)
+    ok = [float(x) < a for x, a in zip(u, trace.accept)]
+    streak, following = [0] * (n + 1), 0
+    for p in range(n - 1, -1, -1):
+        following = following + 1 if ok[p] else 0
+        streak[p] = following
+    run = [min(offer[p], streak[p], n - p - 1) for p in range(n)]
+    return Task(trace, offer, run, list(trace.accept))
+
+
+@dataclass
+class Result:
+    task: str
     category: str
-    prompt: list[int]
-    output: list[int]
-    max_tokens: int
-    eos: bool = False
+    ms: float
+    plain_ms: float
+    tokens: int
+    cycles: float
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_ms / self.ms
 
 
-def fixed(k: int) -> Policy:
-    drafter = NgramDrafter()
-    return lambda ctx, most: drafter.draft(ctx, min(k, most), GREEDY, None).tokens if most else []
+def plain_ms(task: Task, c: Costs) -> float:
+    ctx0 = task.trace.prompt_len - 1
+    return sum(c.verify(1, ctx0 + p) for p in range(len(task.trace.output)))
 
 
-def native(n_max: int, n: int = 3) -> Policy:
-    """common_ngram_simple_draft (llama.cpp common/ngram-map.cpp), for context = tokens + [sampled]."""
-    def draft(ctx: list[int], most: int) -> list[int]:
-        L = len(ctx)
-        if L - 1 <= n + n_max + 1 or most == 0:
-            return []
-        pattern = ctx[L - n:]
-        for j in range(L - n - 2, 0, -1):  # latest match first, position 0 ignored, as native
-            if ctx[j:j + n] == pattern:
-                copy = min(n_max, L - 1 - (j + n))
-                return ctx[j + n: j + n + copy][:most] if copy >= n else []
-        return []
-    return draft
+def _limit(trace: Trace, p: int) -> int:
+    return max(0, min(K_MAX - 1, trace.max_tokens - p - 1))  # as the engine asks
 
 
-def replay(g: Generation, t: Sequence[float] | CostModel, policy: Policy | Scheduler) -> tuple[float, list[tuple[int, int]]]:
-    """Modeled speedup of one policy over one generation, and its (γ, accepted) cycles. A Scheduler
-    keeps what it learned from one generation to the next, as the engine's does (its prior is the
-    profile; it observes the modeled times)."""
-    c = t if isinstance(t, CostModel) else true_costs(t)
-    truth = g.output + ([-1] if g.eos else [])  # -1: the end-of-text token, never drafted
-    kv, pending, done, cost, cycles = g.prompt[:-1], g.prompt[-1], 0, 0.0, []
-    sched, drafter = (policy, NgramDrafter()) if isinstance(policy, Scheduler) else (None, None)
-    rng = np.random.default_rng(0)  # unused by the n-gram drafter; the Drafter protocol takes one
-    if sched:
-        sched.new_generation(len(g.prompt))
-    while done < len(truth):
-        most = max(0, min(K_MAX - 1, g.max_tokens - done - 1))
-        if sched:
-            d = sched.draft(drafter, kv + [pending], most, GREEDY, rng)[0] if most else Draft([])
-            x = d.tokens[:most]
-        else:
-            x = policy(kv + [pending], most)
-        n = 0
-        while n < len(x) and done + n < len(truth) and x[n] == truth[done + n]:
-            n += 1
-        emitted = truth[done: done + n + 1]
-        ms = c.t_verify(len(kv))[len(x) + 1]
-        cost += ms
-        if sched:
-            sched.observe(d, n, 0.0, ms / 1000, len(kv))
-            sched.emitted(emitted)
-        kv += [pending, *x[:n]]
-        pending, done = emitted[-1], done + len(emitted)
-        cycles.append((len(x), n))
-    return plain_ms(c, len(g.prompt) - 1, min(len(g.output), g.max_tokens)) / cost, cycles
+def run_controller(task: Task, c: Costs, ctrl: pol.Controller) -> Result:
+    """One task under a draft-length controller (fixed γ, an engine's heuristic)."""
+    tr, ms, cycles, p = task.trace, 0.0, 0, 0
+    n, ctx0 = len(tr.output), tr.prompt_len - 1
+    ctrl.start()
+    while p < n:
+        limit = _limit(tr, p)
+        k = min(ctrl.ask(limit), limit, task.offer[p]) if limit else 0
+        conf = tr.confidence[p][:k] if tr.confidence is not None and tr.confidence[p] is not None else None
+        computed, g = ctrl.keep(conf, k) if k else (0, 0)
+        acc = min(g, task.run[p])
+        t_draft = c.draft(computed)
+        cycle = t_draft + c.verify(g + 1, ctx0 + p)
+        ctrl.feedback(g, acc, cycle, t_draft)
+        ms, cycles, p = ms + cycle, cycles + 1, p + acc + 1
+    return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
 
 
-def oracle(g: Generation, t: Sequence[float] | CostModel) -> float:
-    """The best modeled speedup with the n-gram drafter if every γ were chosen knowing the output."""
-    c = t if isinstance(t, CostModel) else true_costs(t)
-    truth = g.output + ([-1] if g.eos else [])
-    drafter, N = NgramDrafter(), len(truth)
-    offers = []  # per position: (draft length on offer, how many of it are right)
-    for p in range(N):
-        d = drafter.draft(g.prompt + truth[:p], K_MAX - 1, GREEDY, None).tokens
-        right = 0
-        while right < len(d) and p + right < N and d[right] == truth[p + right]:
-            right += 1
-        offers.append((len(d), right))
-    best, kv0 = [0.0] * (N + 1), len(g.prompt) - 1  # best[p]: least cost to emit truth[p:]
-    for p in range(N - 1, -1, -1):
-        n_draft, right = offers[p]
-        best[p] = min(c.t_verify(kv0 + p)[gam + 1] + best[min(N, p + min(gam, right) + 1)]
-                      for gam in range(min(n_draft, g.max_tokens - p - 1, K_MAX - 1) + 1))
-    return plain_ms(c, kv0, min(len(g.output), g.max_tokens)) / best[0]
+def oracle(tasks: list[Task], costs: list[Costs]) -> Result:
+    """The least time knowing the output: a dynamic program over positions choosing, at each, the
+    member (a chain: any of `tasks`, one per member, same output) and γ; at T > 0 it minimises the
+    expected time over the accept[] Bernoulli model."""
+    tr = tasks[0].trace
+    n, ctx0 = len(tr.output), tr.prompt_len - 1
+    best, cyc = [0.0] * (n + 1), [0.0] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        b, bc = costs[0].verify(1, ctx0 + p) + best[p + 1], 1 + cyc[p + 1]  # a plain step
+        for task, c in zip(tasks, costs):
+            most = min(task.offer[p], _limit(tr, p))
+            if task.accept is None:
+                for g in range(1, most + 1):
+                    nxt = p + min(g, task.run[p]) + 1
+                    v = c.draft(g) + c.verify(g + 1, ctx0 + p) + best[nxt]
+                    if v < b:
+                        b, bc = v, 1 + cyc[nxt]
+                continue
+            s, pre, pre_c = 1.0, 0.0, 0.0  # S_g, Σ_{j<g} (S_j − S_{j+1}) · best[p + j + 1]
+            for g in range(1, most + 1):
+                s_next = s * task.accept[p + g - 1] if g <= n - p - 1 else 0.0
+                pre, pre_c = pre + (s - s_next) * best[p + g], pre_c + (s - s_next) * cyc[p + g]
+                s = s_next
+                nxt = min(n, p + g + 1)
+                v = c.draft(g) + c.verify(g + 1, ctx0 + p) + pre + s * best[nxt]
+                if v < b:
+                    b, bc = v, 1 + pre_c + s * cyc[nxt]
+        best[p], cyc[p] = b, bc
+    return Result(tr.task, tr.category, best[0], plain_ms(tasks[0], costs[0]), n, cyc[0])
 
 
-def costs(t_forward_ms: dict[int, float]) -> list[float]:
-    """T(k) for k = 0..K_MAX as the scheduler's cost model reads the profile (index 0 unused)."""
-    return list(CostModel(t_forward_ms).prior)
+class TraceDrafter:
+    """A Drafter that proposes what a trace recorded at the position the context has reached."""
+
+    paths: tuple[str, ...] = ()
+
+    def __init__(self, traces: TraceSet, costs: Costs) -> None:
+        self.name, self.set, self.costs = traces.drafter, traces, costs
+        self.sampled_q = traces.temperature > 0 and traces.kind not in pol.COPYING
+        self.trace: Trace | None = None
+        self.computed = 0  # tokens drafted since `computed` was last zeroed (a block: rows asked)
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        tr = self.trace
+        assert tr is not None
+        p = len(context) - tr.prompt_len
+        tokens = tr.drafts[p][:gamma]
+        conf = tr.confidence[p][:len(tokens)] if tr.confidence is not None and tr.confidence[p] is not None else None
+        if stop is not None and conf is not None:
+            n = next((i for i in range(len(tokens)) if stop(conf[:i + 1])), len(tokens))
+            tokens, conf = tokens[:n], conf[:n]
+        self.computed += gamma if tokens and self.costs.device.draft[self.set.kind][1] <= 0 else len(tokens)
+        q = np.zeros((len(tokens), 1)) if self.sampled_q and tokens else None  # sampled: not cut afterwards
+        support = tr.support[p] if tr.support is not None else None
+        return Draft(list(tokens), q, None if conf is None else list(conf), support=support)
+
+    def cost_prior(self, note=None) -> DraftCost | None:
+        return self.costs.prior()
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def generations(target: str, per_category: int, max_tokens: int | None,
-                measure_context: bool = True) -> tuple[list[Generation], dict, float]:
-    """Plain greedy outputs of the first `per_category` tasks of each category, the target's
-    profile T(k), and (measure_context) its attention cost per query and cached token (else 0)."""
-    from edgespec.api import load
-    from edgespec.bench.tasks import load_tasks
+def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Result]:
+    """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`."""
+    costs = [Costs(device, ts.kind) for ts, _ in members]
+    drafters = [TraceDrafter(ts, c) for (ts, _), c in zip(members, costs)]
+    scheds = [Scheduler(c.model()) for c in costs]
+    chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
+    sched: Any = chain or scheds[0]
+    temp = members[0][0].temperature
+    params, rng = SamplingParams(temperature=temp), np.random.default_rng(0)
+    out = []
+    for i, task in enumerate(members[0][1]):
+        tr = task.trace
+        n, ctx0, ms, cycles, p = len(tr.output), tr.prompt_len - 1, 0.0, 0, 0
+        for d, (_, tasks) in zip(drafters, members):
+            d.trace = tasks[i].trace
+        sched.new_generation(tr.prompt_len, tr.max_tokens)
+        context = [0] * tr.prompt_len + tr.output  # a drafter reads only its length here
+        while p < n:
+            limit = _limit(tr, p)
+            for d in drafters:
+                d.computed = 0
+            d_, dec = sched.draft(None if chain else drafters[0], context[:tr.prompt_len + p], limit, params, rng) \
+                if limit else (Draft([]), None)
+            g = len(d_.tokens)
+            who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
+            acc = min(g, members[who][1][i].run[p])
+            t_draft = sum(c.draft(d.computed) for c, d in zip(costs, drafters))
+            t_verify = costs[0].verify(g + 1, ctx0 + p)
+            sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
+            sched.emitted(tr.output[p:p + acc + 1], None)
+            ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
+        out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
+    return out
 
-    engine = load(target, drafter=None)
-    engine.calibrate()
-    chat = engine.target.metadata("tokenizer.chat_template") is not None
-    out, seen = [], {}
-    for task in load_tasks():
-        if seen.setdefault(task.category, 0) >= per_category:
-            continue
-        seen[task.category] += 1
-        if chat:
-            text, add_bos = engine.chat_prompt(list(task.messages))
-            ids = engine.target.tokenize(text, add_bos, True)
-        else:
-            ids = engine.target.tokenize(task.prompt, True, False)
-        budget = min(task.max_tokens, max_tokens or task.max_tokens)
-        engine.reset()
-        gen = engine.generate(ids, max_tokens=budget, temperature=0.0, speculative=False)
-        out.append(Generation(task.id, task.category, ids, gen.tokens, budget, gen.finish_reason == "eos"))
-        print(f"{task.id}: {len(gen.tokens)} tokens", file=sys.stderr)
-    costs = engine.costs
-    assert costs is not None, 'engine.calibrate() runs before the replays'
-    t_forward = costs.t_forward_ms
-    if measure_context:  # what the engine's scheduler uses too (cached in the profile), timed carefully
-        from edgespec.calibration import context_cost
 
-        print("timing what each cached token costs ...", file=sys.stderr)
-        ctx_ms = context_cost(engine.target, costs.exact_batch, far=768, repeats=9, refresh=True)
-    else:
-        ctx_ms = 0.0
-    engine.close()
-    return out, t_forward, ctx_ms
+def controllers(kind: str, seed: int = 0) -> dict[str, pol.Controller]:
+    free = kind in pol.COPYING
+    return {"llama.cpp": pol.LlamaCpp(kind), "hf-heuristic": pol.HFHeuristic(),
+            "ik-autotune": pol.IkAutotune(kind, seed=seed), "bee-profit": pol.BeeProfit(31 if free else 15)}
+
+
+def fixed_range(kind: str) -> range:
+    return range(1, (K_MAX if kind in pol.COPYING else 16))
+
+
+def replay_set(ts: TraceSet, device: Any, seed: int = 0) -> dict[str, list[Result]]:
+    """Every policy over one trace set on one device: {policy: per-task results}."""
+    tasks = [prepare(t, ts.temperature, seed) for t in ts.traces]
+    c = Costs(device, ts.kind)
+    res = {"auto": run_auto([(ts, tasks)], device)}
+    for g in fixed_range(ts.kind):
+        res[f"k={g}"] = [run_controller(t, c, pol.Fixed(g)) for t in tasks]
+    best = max((k for k in res if k.startswith("k=")), key=lambda k: total(res[k]))
+    res["best-fixed"] = res[best]  # the same list: `best_gamma` finds which
+    for name, ctrl in controllers(ts.kind, seed).items():
+        res[name] = [run_controller(t, c, ctrl) for t in tasks]
+    res["oracle"] = [oracle([t], [c]) for t in tasks]
+    return res
+
+
+def replay_chain(sets: list[TraceSet], device: Any, seed: int = 0) -> dict[str, list[Result]]:
+    """A chain of trace sets (same target, temperature and tasks): auto and the oracle."""
+    ids = set.intersection(*({t.task for t in ts.traces} for ts in sets))
+    members = []
+    for ts in sets:
+        by_id = {t.task: t for t in ts.traces}
+        members.append((ts, [prepare(by_id[i], ts.temperature, seed) for i in sorted(ids)]))
+    keep = [j for j in range(len(ids)) if all(m[1][j].trace.output == members[0][1][j].trace.output for m in members)]
+    members = [(ts, [tasks[j] for j in keep]) for ts, tasks in members]
+    costs = [Costs(device, ts.kind) for ts in sets]
+    return {"auto": run_auto(members, device),
+            "oracle": [oracle([m[1][j] for m in members], costs) for j in range(len(keep))]}
+
+
+def total(rs: list[Result]) -> float:
+    return sum(r.plain_ms for r in rs) / sum(r.ms for r in rs)
+
+
+def tau(rs: list[Result]) -> float:
+    return sum(r.tokens for r in rs) / sum(r.cycles for r in rs)
+
+
+def by_category(rs: list[Result]) -> dict[str, list[Result]]:
+    out: dict[str, list[Result]] = defaultdict(list)
+    for r in rs:
+        out[r.category].append(r)
+    return out
+
+
+def best_gamma(res: dict[str, list[Result]]) -> int:
+    return next(int(k[2:]) for k, v in res.items() if k.startswith("k=") and v is res["best-fixed"])
+
+
+def set_name(ts: TraceSet) -> str:
+    return f"{ts.target}:{ts.drafter}:T{ts.temperature:g}"
+
+
+def load_sets(path: str | Path) -> list[TraceSet]:
+    path = Path(path)
+    files = sorted(path.glob("*.json.gz")) if path.is_dir() else [path]
+    return [TraceSet.load(f) for f in files]
+
+
+def chains_of(sets: list[TraceSet]) -> list[list[TraceSet]]:
+    """Every (copying drafter, costly drafter) pair of one target and temperature."""
+    out = []
+    for a in sets:
+        for b in sets:
+            if (a.kind in pol.COPYING and b.kind not in pol.COPYING and a.target == b.target
+                    and a.temperature == b.temperature):
+                out.append([a, b])
+    return out
+
+
+def replay_all(sets: list[TraceSet], devices: list[Any]) -> dict[str, dict[str, dict[str, list[Result]]]]:
+    """{device: {set name: {policy: results}}}, chains included (names joined by ',')."""
+    out: dict[str, dict[str, dict[str, list[Result]]]] = {}
+    for dev in devices:
+        cells = {set_name(ts): replay_set(ts, dev) for ts in sets}
+        for ch in chains_of(sets):
+            cells[f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"] = replay_chain(ch, dev)
+        out[getattr(dev, "name", str(dev))] = cells
+    return out
+
+
+def check(results: dict[str, dict[str, dict[str, list[Result]]]], min_category: float = 0.98,
+          min_task: float = 0.95, vs_fixed: float = 0.97, share: float = 0.10) -> list[str]:
+    """The regression gate: failures (empty: passed). `-k auto` must keep ≥ min_category × plain in
+    every category median and ≥ min_task × plain on every task, and fall under vs_fixed × the best
+    fixed γ in at most `share` of the (device, trace set, category) cells."""
+    fails, cells, under = [], 0, []
+    for dev, sets in results.items():
+        for name, res in sets.items():
+            auto = by_category(res["auto"])
+            fixed = by_category(res["best-fixed"]) if "best-fixed" in res else {}
+            for cat, rs in sorted(auto.items()):
+                med = statistics.median(r.speedup for r in rs)
+                if med < min_category:
+                    fails.append(f"{dev} {name} {cat}: auto median {med:.3f}x plain < {min_category}")
+                fails += [f"{dev} {name} {r.task}: auto {r.speedup:.3f}x plain < {min_task}"
+                          for r in rs if r.speedup < min_task]
+                if cat in fixed:
+                    cells += 1
+                    a, f = total(rs), total(fixed[cat])
+                    if a < vs_fixed * f:
+                        under.append(f"{dev} {name} {cat}: auto {a:.3f} vs best fixed {f:.3f}")
+    if cells and len(under) > share * cells:
+        fails.append(f"auto < {vs_fixed}x best fixed in {len(under)}/{cells} cells: " + "; ".join(under))
+    return fails
+
+
+def summary(results: dict[str, dict[str, dict[str, list[Result]]]], n_sets: int) -> str:
+    tasks, cats, r_fixed, r_ctrl, r_oracle = [], [], [], [], []
+    for sets in results.values():
+        for res in sets.values():
+            auto = res["auto"]
+            tasks += [r.speedup for r in auto]
+            cats += [statistics.median(r.speedup for r in rs) for rs in by_category(auto).values()]
+            a = total(auto)
+            r_oracle.append(a / total(res["oracle"]))
+            if "best-fixed" in res:
+                r_fixed.append(a / total(res["best-fixed"]))
+                r_ctrl.append(a / max(total(res[c]) for c in CONTROLLERS))
+
+    def f(xs: list[float], agg=min) -> str:
+        return f"{agg(xs):.3f}" if xs else "nan"
+    return (f"REPLAY traces={n_sets} devices={len(results)} auto_min_task={f(tasks)} auto_min_category={f(cats)} "
+            f"auto_vs_best_fixed_median={f(r_fixed, statistics.median)} "
+            f"auto_vs_best_controller_median={f(r_ctrl, statistics.median)} "
+            f"auto_vs_oracle_median={f(r_oracle, statistics.median)}")
+
+
+def table(dev: str, sets: dict[str, dict[str, list[Result]]]) -> str:
+    names = list(sets)
+    rows = ["auto", "best-fixed", *(f"k={g}" for g in SHOWN_FIXED), *CONTROLLERS, "oracle"]
+    lines = [f"## {dev}: speedup / τ / ÷ oracle", "", "| policy | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for row in rows:
+        cells = []
+        for nm in names:
+            res = sets[nm]
+            if row not in res:
+                cells.append("")
+                continue
+            s = total(res[row])
+            label = f"γ{best_gamma(res)} " if row == "best-fixed" else ""
+            cells.append(f"{label}{s:.2f} / {tau(res[row]):.1f} / {s / total(res['oracle']):.2f}")
+        if any(cells):
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--per-category", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("-k", type=int, action="append", help="fixed γ to replay (repeatable; default 4, 8, 12)")
-    ap.add_argument("--ctx-us", type=float, help="attention cost in µs per query token and cached token "
-                    "(default: measured; 0: T(k) as profiled, whatever the context)")
+    ap.add_argument("--traces", action="append", help="a trace directory or file (repeatable; "
+                    "default tests/fixtures/traces)")
+    ap.add_argument("--device", action="append", help="'all' (the bundled devices), a name or a file (repeatable)")
     args = ap.parse_args(argv)
-    gens, t_forward, ctx_ms = generations(args.target, args.per_category, args.max_tokens,
-                                          measure_context=args.ctx_us is None)
-    t = costs(t_forward)
-    c = true_costs(t, ctx_ms if args.ctx_us is None else args.ctx_us / 1000)
-    ks = args.k or [4, 8, 12]
-    print("T(k)/T(1), k = 1..16:", " ".join(f"{x / t[1]:.2f}" for x in t[1:]))
-    k = max(range(1, K_MAX + 1), key=lambda k: k / t[k])
-    print(f"ceiling, every cycle {k - 1} right drafts: {k}·T(1)/T({k}) = {k * t[1] / t[k]:.2f}")
-    ctx = statistics.median(len(g.prompt) + len(g.output) // 2 for g in gens)
-    print(f"attention: {c.ctx_ms * 1000:.2f} µs per query token and cached token; at the median context of "
-          f"{ctx:.0f} tokens T(1) = {c.t_verify(ctx)[1]:.1f} ms, T(16) = {c.t_verify(ctx)[16]:.1f} ms "
-          f"({c.t_verify(ctx)[16] / c.t_verify(ctx)[1]:.2f}·T(1))\n")
-    policies: dict[str, Policy | Scheduler] = {
-        "auto": Scheduler(CostModel(t_forward, ctx_ms=c.ctx_ms, base_context=PROFILE_CONTEXT))}
-    policies |= {f"k={k}": fixed(k) for k in ks} | {f"native-{k}": native(k) for k in ks}
-    cats = sorted({g.category for g in gens})
-    rows = {name: [replay(g, c, p)[0] for g in gens] for name, p in policies.items()}
-    rows["oracle"] = [oracle(g, c) for g in gens]
-    print("| policy | " + " | ".join(cats) + " | all |")
-    print("|---" * (len(cats) + 2) + "|")
-    for name, speedups in rows.items():
-        med = [statistics.median(s for s, g in zip(speedups, gens) if g.category == c) for c in cats]
-        print(f"| {name} | " + " | ".join(f"{m:.2f}" for m in med) + f" | {statistics.median(speedups):.2f} |")
+    from edgespec.bench.devices import bundled, load_device
+
+    sets = [ts for path in (args.traces or ["tests/fixtures/traces"]) for ts in load_sets(path)]
+    names = [d for spec in (args.device or ["all"]) for d in (bundled() if spec == "all" else [spec])]
+    devices = [load_device(d) for d in names]
+    if not sets:
+        print("no trace sets found", file=sys.stderr)
+    results = replay_all(sets, devices)
+    for dev, cells in results.items():
+        if cells:
+            print(table(dev, cells) + "\n")
+    print(summary(results, len(sets)))
     return 0
 
 
