@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models converter demo test test-fast lint bench bench-history bench-chain anchor results heads clean
+.PHONY: install models converter demo test test-fast replay lint bench bench-history bench-chain anchor results heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ test: models converter
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real and not slow"
+
+# Every drafter's recorded traces (tests/fixtures/traces) replayed under every policy on every bundled device's
+# costs (edgespec/bench/replay.py; no model, well under a minute): one table per device, then one REPLAY line.
+# Other traces or devices: make replay TRACES=DIR DEVICE=NAME|FILE
+replay: install
+	$(BIN)/python -m edgespec.bench.replay --traces $(or $(TRACES),tests/fixtures/traces) --device $(or $(DEVICE),all)
 
 # The default benchmark matrix (~45 min here for the Q4 pairs; the F32 and Spec-Bench pairs add ~50 min): per pair, 2 tasks per category, greedy and T=0.7,
 # each speculative run alternating with a plain run; -k auto (the scheduler) beside a sweep of

@@ -315,7 +315,7 @@ def set_name(ts: TraceSet) -> str:
 
 def load_sets(path: str | Path) -> list[TraceSet]:
     path = Path(path)
-    files = sorted(path.glob("*.json.gz")) if path.is_dir() else [path]
+    files = sorted(path.glob("*.json.gz")) if path.is_dir() else [path] if path.exists() else []
     return [TraceSet.load(f) for f in files]
 
 
@@ -333,10 +333,12 @@ def chains_of(sets: list[TraceSet]) -> list[list[TraceSet]]:
 def replay_all(sets: list[TraceSet], devices: list[Any]) -> dict[str, dict[str, dict[str, list[Result]]]]:
     """{device: {set name: {policy: results}}}, chains included (names joined by ',')."""
     out: dict[str, dict[str, dict[str, list[Result]]]] = {}
-    for dev in devices:
-        cells = {set_name(ts): replay_set(ts, dev) for ts in sets}
+    for dev in devices:  # a drafter kind the device has no cost for is left out there
+        cells = {set_name(ts): replay_set(ts, dev) for ts in sets if ts.kind in dev.draft}
         for ch in chains_of(sets):
-            cells[f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"] = replay_chain(ch, dev)
+            if all(ts.kind in dev.draft for ts in ch):
+                name = f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"
+                cells[name] = replay_chain(ch, dev)
         out[getattr(dev, "name", str(dev))] = cells
     return out
 
