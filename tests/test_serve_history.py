@@ -87,7 +87,9 @@ def test_clear_on_request_forgets_the_callers_history_only(engine: Engine) -> No
 def test_off_remembers_nothing_across_requests(engine: Engine) -> None:
     with Server(engine, port=0, history="off") as srv:
         a1 = _ask(srv.url, None)
-        assert _drafting(_ask(srv.url, None)) == _drafting(a1)
+        a2 = _ask(srv.url, None)
+        assert _drafting(a2) == _drafting(a1)
+        assert a2["cache_n"] == 0  # nor is the cached prompt: every request is a client of its own
         assert httpx.get(srv.url + "/health").json()["history"] == "off"
 
 

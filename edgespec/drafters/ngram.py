@@ -80,7 +80,11 @@ class NgramDrafter:
         return None
 
     def reset(self) -> None:
-        """Nothing to forget: the lookup reads the context it is given."""
+        """Forget the index: the next call indexes its context from scratch. (Without this, a context
+        that agreed with the indexed one on its last SYNC_WINDOW tokens would be taken for its
+        extension, and drafted from the earlier context's n-grams: a server resets its drafter
+        between clients, edgespec.server.isolation.)"""
+        self._ctx, self._last_end = [], {}
 
     def close(self) -> None:
         pass

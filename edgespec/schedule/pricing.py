@@ -5,11 +5,18 @@ exact verification batch: edgespec.calibration, cached per model) and each draft
 (`Drafter.cost_prior`), and builds a Scheduler per (drafter, sampling mode) from them and from the
 acceptance the pair showed before (calibration.pair_path). The Engine asks it for the scheduler
 and for how many tokens one verification forward may take; nothing else in the loop prices.
+
+Schedulers learn from the text they schedule (acceptance, and the timings of the γ and contexts it
+led to), so a server keeps them per client (`use`, edgespec.server.isolation): each scope has its
+own, built fresh from the shared profile and priors (measured before any request, on tokens of
+their own), and a scope other than the engine's own (None) neither reads nor writes the pair record,
+which would carry one client's acceptance to another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 from edgespec.backends.base import Backend
@@ -20,6 +27,7 @@ from edgespec.schedule.chain import ChainScheduler
 from edgespec.schedule.scheduler import CostModel, Scheduler
 
 MIN_CHUNK = 4  # the smallest verification split worth making (see Pricing.chunk)
+MAX_SCOPES = 64  # scopes whose schedulers are kept besides the engine's own (~70 KiB a scheduler; least recently used go)
 
 Note = Callable[[str], None] | None
 
@@ -33,8 +41,10 @@ class Pricing:
         self.t_forward: dict[int, float] | None = None  # T(k) in ms after CONTEXT_TOKENS cached tokens
         self.ctx_ms = 0.0  # what each cached token adds to each verified token's time (ms)
         self.draft_cost: dict[Drafter, DraftCost | None] = {}
-        self._schedulers: dict[tuple[Drafter, bool], Scheduler] = {}
-        self._chains: dict[tuple[Drafter, bool], ChainScheduler] = {}
+        self._scope: Hashable = None  # whose schedulers `scheduler` hands out (None: the engine's own)
+        # per scope, its schedulers by (drafter, greedy): a chain's ChainScheduler, a member's Scheduler
+        self._learned: OrderedDict[Hashable, dict[tuple[Drafter, bool], Scheduler | ChainScheduler]] = \
+            OrderedDict({None: {}})
 
     @property
     def chunk(self) -> int | None:
@@ -78,35 +88,55 @@ class Pricing:
         return CostProfile(t.path, "", t.name, backend_version(t), t.threads, dict(self.t_forward),
                            exact_batch=self.exact, context_ms=self.ctx_ms)
 
-    def scheduler(self, drafter: Drafter, greedy: bool) -> Scheduler | ChainScheduler:
-        """The scheduler for this drafter and sampling mode (acceptance differs with temperature);
-        it keeps what it learned across generations, and starts from what the pair showed before.
-        A chain's is one over its members' own schedulers (drafters.chain)."""
-        if isinstance(drafter, DrafterChain):
-            key = (drafter, greedy)
-            if key not in self._chains:
-                self._chains[key] = ChainScheduler([(m, self.scheduler(m, greedy)) for m in drafter.members])
-            return self._chains[key]
-        key = (drafter, greedy)
-        if key not in self._schedulers:
-            from edgespec.calibration import CONTEXT_TOKENS, load_acceptance
+    def use(self, scope: Hashable) -> None:
+        """Hand out `scope`'s own schedulers from now on: what they learn (acceptance, and costs as
+        timed) stays in the scope. A scope never seen starts cold, from the profile and the priors
+        only; None, the default, is the engine's own, the only one that reads and adds to the pair
+        record. At most MAX_SCOPES others are kept (the least recently used is forgotten first)."""
+        self._scope = scope
+        self._learned.setdefault(scope, {})
+        self._learned.move_to_end(scope)
+        while len(self._learned) > MAX_SCOPES + 1:
+            oldest = next(k for k in self._learned if k is not None)
+            del self._learned[oldest]
 
-            self.calibrate(drafter)
-            assert self.t_forward is not None
-            cost = CostModel.for_drafter(self.t_forward, self.draft_cost.get(drafter), ctx_ms=self.ctx_ms,
-                                         base_context=CONTEXT_TOKENS, recurrent=self.target.recurrent)
-            record = load_acceptance(self.pair_path(drafter, greedy))
-            self._schedulers[key] = Scheduler(cost, *(record or (None,)))
-        return self._schedulers[key]
+    def forget(self, scope: Hashable) -> None:
+        """Forget what `scope`'s schedulers learned: its next generation starts cold."""
+        if scope in self._learned:
+            self._learned[scope] = {}
+
+    def scheduler(self, drafter: Drafter, greedy: bool) -> Scheduler | ChainScheduler:
+        """The current scope's scheduler for this drafter and sampling mode (acceptance differs with
+        temperature); it keeps what it learned across generations, and the engine's own starts from
+        what the pair showed before. A chain's is one over its members' own schedulers
+        (drafters.chain)."""
+        learned, key = self._learned[self._scope], (drafter, greedy)
+        if key in learned:
+            return learned[key]
+        if isinstance(drafter, DrafterChain):
+            learned[key] = ChainScheduler([(m, self.scheduler(m, greedy)) for m in drafter.members])
+            return learned[key]
+        from edgespec.calibration import CONTEXT_TOKENS, load_acceptance
+
+        self.calibrate(drafter)
+        assert self.t_forward is not None
+        cost = CostModel.for_drafter(self.t_forward, self.draft_cost.get(drafter), ctx_ms=self.ctx_ms,
+                                     base_context=CONTEXT_TOKENS, recurrent=self.target.recurrent)
+        record = load_acceptance(self.pair_path(drafter, greedy)) if self._scope is None else None
+        learned[key] = Scheduler(cost, *(record or (None,)))
+        return learned[key]
 
     def remember(self, drafter: Drafter, greedy: bool) -> None:
         """Keep what the generation just ended showed of this pair's acceptance (each chain member's
-        with the target), for the next engine."""
+        with the target), for the next engine: the engine's own scope only (`use`)."""
         from edgespec.calibration import save_acceptance
 
+        if self._scope is not None:
+            return
+        learned = self._learned[None]
         for d in members(drafter):
-            if (d, greedy) in self._schedulers:
-                save_acceptance(self.pair_path(d, greedy), *self._schedulers[d, greedy].generation_judged())
+            if isinstance(s := learned.get((d, greedy)), Scheduler):
+                save_acceptance(self.pair_path(d, greedy), *s.generation_judged())
 
     def pair_path(self, drafter: Drafter, greedy: bool) -> Path | None:
         """Where what the scheduler learned of this (target, drafter) pair's acceptance is kept."""

@@ -1,22 +1,29 @@
-"""What one request may learn from another's: the history drafter's index and the cached prompt.
+"""What one request may learn from another's: the drafters' indexes, the cached prompt, and what
+the `-k auto` scheduler learns of acceptance.
 
 `edgespec serve --history off|session|global` (default: `auto`):
 
-- **global**: one history index for every request, and the target's and drafter's caches reused
-  across requests whoever sent them (the fastest; right for one local user).
-- **session**: one index per client, a client being an API key (or the only client, without keys),
-  subdivided by the request's OpenAI `user` field when the key's holder sends one. When a request
-  comes from another client than the one before, the target's and drafter's KV caches are dropped
-  first, so neither its drafts nor its timing (a cached prompt prefix, a draft model's catch-up)
-  depend on another client's text. With one client this is the same as global.
-- **off**: nothing is remembered across requests (the history drafter indexes the current request
-  and the corpus file only); caches are dropped between clients as in session.
+- **global**: one history index for every request, the target's and drafter's caches reused across
+  requests whoever sent them, and one scheduler (the engine's own, which also reads and adds to the
+  pair's acceptance record on disk) learning from all (the fastest; right for one local user).
+- **session**: everything a client's requests teach the engine is the client's own, a client being
+  an API key (or the only client, without keys), subdivided by the request's OpenAI `user` field
+  when the key's holder sends one: its own history index, its own schedulers (acceptance and the
+  timings they learn, each scope starting from the shared cost profile: Pricing.use), no pair
+  record read or written. When a request comes from another client than the one before, the
+  target's and drafter's KV caches are dropped and the drafter reset (an n-gram index forgotten)
+  first, so neither its drafts, nor its γ, nor its timing depend on another client's text.
+  With one client this is the same as global (but for the pair record).
+- **off**: nothing is remembered across requests: every request is a client of its own (the
+  history drafter indexes the current request and the corpus file only, the caches are dropped and
+  the schedulers start cold before each request).
 - **auto**: session, except off when the server listens beyond loopback without an API key
   (then it cannot tell its clients apart).
 
-`POST /v1/history/clear` forgets the caller's index (the shared one under global). What stays shared
-in every mode: the corpus file (the operator's choice) and the scheduler's cost and acceptance
-estimates (numbers about speed, no text), which `docs/serve.md` discusses.
+`POST /v1/history/clear` forgets the caller's index and schedulers (under global: the shared index).
+What stays shared in every mode: the corpus file (the operator's choice) and the cost profile and
+drafter cost priors (measured before the first request, on tokens of their own: the machine, not
+any client's text), which `docs/serve.md` discusses.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ log = logging.getLogger("edgespec.server")
 
 MODES = ("auto", "off", "session", "global")
 SHARED = "*"  # the scope every request shares under global
+ALONE = ("request",)  # the scheduler scope under off: forgotten before each request
 
 
 def resolve_mode(mode: str, n_keys: int, loopback: bool) -> str:
@@ -77,13 +85,40 @@ class Isolation:
 
     def enter(self, client: Hashable) -> None:
         """Before `client`'s generation: apply pending clears, drop the caches if another client's
-        text is in them (session, off), and point the history drafter at the client's scope."""
+        text may be in them (session: another client's request came last; off: any request did),
+        and point the history drafter and the scheduler at the client's scope."""
         self.apply_pending()
-        if self.mode != "global" and client != self._client:
+        if self.mode == "off" or (self.mode == "session" and client != self._client):
             self._drop_caches()
         self._client = client
+        self._learn_apart(client)
         if self.history is not None:
             self.history.use(self.scope(client))
+
+    def _learn_apart(self, client: Hashable) -> None:
+        """Schedule `client`'s request from what the client's own requests taught (session), from
+        nothing (off: a scope forgotten before each request), or from everything (global: the
+        engine's own). An engine without a drafter has no scheduler."""
+        if self.engine.drafter is None:
+            return
+        pricing = self.engine.pricing
+        if self.mode == "session":
+            pricing.use(self._learning(client))
+        elif self.mode == "off":
+            pricing.forget(ALONE)
+            pricing.use(ALONE)
+        else:
+            pricing.use(None)
+
+    def leave(self) -> None:
+        """The server is done with the engine: its scheduler is the engine's own again."""
+        if self.engine.drafter is not None:
+            self.engine.pricing.use(None)
+
+    @staticmethod
+    def _learning(client: Hashable) -> Hashable:
+        """The scheduler scope of a client under session (never None, the engine's own scope)."""
+        return ("client", client)
 
     def request_clear(self, client: Hashable) -> None:
         """Forget `client`'s history (called from the HTTP side): see the class docstring for when."""
@@ -97,6 +132,8 @@ class Isolation:
         for scope in pending:
             if self.history is not None:
                 self.history.forget(scope)
+            if self.mode == "session" and self.engine.drafter is not None:
+                self.engine.pricing.forget(self._learning(scope))
             if scope == self.scope(self._client):  # the caches hold that text too
                 self._drop_caches()
 

@@ -133,6 +133,8 @@ class Worker:
         for job in waiting:
             _send(job, Event("error", error=ApiError(503, "the server is shutting down", kind="server_error")))
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.isolation.leave()
 
     # -- the thread ------------------------------------------------------------------------------------
 
