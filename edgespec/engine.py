@@ -4,6 +4,10 @@ Target KV invariant: `self._kv` lists exactly the tokens in the target's KV cach
 token (`pending`) is never in it yet: each cycle evaluates [pending, x̃₁..x̃γ] in one pass.
 A recurrent target (backends/base.py) is checkpointed before that pass; rolling it back restores
 the checkpoint and re-evaluates the accepted tokens, a cost the scheduler prices.
+
+The loop asks a scheduler four things (`Scheduling`): `new_generation`, `draft`, `observe`, `emitted`.
+Under num_draft="auto" it is the Pricing's for the drafter, unless `stream(scheduler=...)` names another
+for that generation (edgespec.bench.record's, which drafts in shadow at every position and records).
 """
 
 from __future__ import annotations
@@ -11,21 +15,36 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile
 from edgespec.drafters.base import Draft, Drafter, reusable_prefix
-from edgespec.schedule.chain import ChainScheduler
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.generation import Chunk, Generating, cut
-from edgespec.schedule.pricing import Pricing
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.schedule.scheduler import K_MAX, Scheduler, check_num_draft
+from edgespec.schedule.pricing import Pricing
+from edgespec.schedule.rate import Decision
+from edgespec.schedule.scheduler import K_MAX, check_num_draft
 from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import accept_greedy, verify_stochastic
+
+
+class Scheduling(Protocol):
+    """What the loop asks of a scheduler (schedule.scheduler.Scheduler, schedule.chain.ChainScheduler)."""
+
+    def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None: ...
+
+    def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
+              rng: np.random.Generator) -> tuple[Draft, Decision]: ...
+
+    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
+                context: int | None = None, rollback: float = 0.0) -> None: ...
+
+    def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None: ...
 
 
 class Engine(Generating):
@@ -62,6 +81,7 @@ class Engine(Generating):
         speculative: bool = True,
         add_special: bool = True,
         parse_special: bool = False,
+        scheduler: Scheduling | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are accepted.
 
@@ -75,6 +95,8 @@ class Engine(Generating):
             stop: strings that end the generation (not included in the text).
             speculative: False decodes plainly through the same backend (the baseline).
             add_special, parse_special: tokenizer flags for a text prompt.
+            scheduler: under num_draft "auto", schedules this generation instead of the Pricing's
+                (whose record of the pair it then leaves alone): a research hook (bench.record).
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         gamma = check_num_draft(self.num_draft if num_draft is None else num_draft)
@@ -87,7 +109,7 @@ class Engine(Generating):
         try:
             if gamma != 0:  # pricing may time the target in its KV cache: the context is forgotten then
                 self.pricing.measure_exact_batch()
-            sched = self.pricing.scheduler(self.drafter, params.greedy) if gamma == "auto" else None
+            sched = None if gamma != "auto" else scheduler or self.pricing.scheduler(self.drafter, params.greedy)
             self._forget_evicted()
             ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                    else [int(t) for t in prompt])
@@ -98,7 +120,8 @@ class Engine(Generating):
                     f"prompt of {len(ids)} tokens does not fit the context of {self.target.n_ctx} tokens "
                     f"(use a shorter prompt or a larger context: n_ctx / --ctx)")
             self._cancel.clear()
-            yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched)
+            yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched,
+                                 remember=scheduler is None)
         finally:
             self._forget_evicted()  # the backend reset itself after an error
             self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
@@ -152,7 +175,8 @@ class Engine(Generating):
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self, ids: list[int], max_tokens: int, params: SamplingParams, rng: np.random.Generator,
-             gamma: int | str, stop: Sequence[str], sched: Scheduler | ChainScheduler | None) -> Iterator[Chunk]:
+             gamma: int | str, stop: Sequence[str], sched: Scheduling | None, remember: bool = True
+             ) -> Iterator[Chunk]:
         stats = self.last_stats = Stats(n_prompt=len(ids))
         if sched is not None:
             sched.new_generation(len(ids), max_tokens)
@@ -184,7 +208,7 @@ class Engine(Generating):
             stats.t_other += time.perf_counter() - t_post
             if reason is not None:
                 stats.finish(time.perf_counter() - t_prefilled)
-            if reason is not None and sched is not None:  # what the pair showed, for the next engine
+            if reason is not None and sched is not None and remember:  # what the pair showed, for the next engine
                 self.pricing.remember(self.drafter, params.greedy)
             yield Chunk(text, emitted, flags, reason)
             if reason is not None:
@@ -202,7 +226,7 @@ class Engine(Generating):
         return ids[-1]
 
     def _cycle(self, pending: int, gamma: int, params: SamplingParams, rng: np.random.Generator,
-               stats: Stats, sched: Scheduler | ChainScheduler | None) -> tuple[list[int], int]:
+               stats: Stats, sched: Scheduling | None) -> tuple[list[int], int]:
         """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
         Returns (emitted tokens, drafts accepted)."""
         t0, n_cached = time.perf_counter(), len(self._kv)
