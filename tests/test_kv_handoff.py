@@ -3,7 +3,6 @@ target's cache cells instead of evaluating the context; greedy output stays the 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -116,23 +115,44 @@ def test_a_refused_copy_empties_the_drafter_and_drafting_goes_on(tiny_target: Pa
         assert len(short.tokens) == 3 and d.n_past == 42  # 40 read, 2 drafts fed
 
 
-@pytest.mark.parametrize("gamma", [3, "auto"])
-def test_greedy_with_handoff_equals_plain(tiny_target: Path, tiny_q8: Path, gamma, monkeypatch) -> None:
+def _greedy_with_handoff(target: Path, drafter: Path, gamma: int | str, monkeypatch, n_ctx: int = 1024,
+                         exact: bool = True) -> None:
+    """Greedy with the handoff: spec == plain (exact: a batch-invariant target), or else every emitted
+    token is the argmax of a verification row (an F32 target on this CPU, as test_real_greedy checks);
+    drafts were made and accepted, and each prompt was handed over, not read."""
+    from test_real_greedy import _Recorder
+
     copies = []
     real_copy = KvHandoff.copy
     monkeypatch.setattr(KvHandoff, "copy", lambda self: copies.append(self.target.n_past) or real_copy(self))
-    if gamma == "auto":
-        # a 2-layer pair's timings are all overhead (its Q8_0 copy steps at 0.6-0.8 of the F32 target's
-        # step, so whether -k auto tries it at all turns on timing noise: 2 runs in 3 never drafted):
-        # priced as a real quantized copy is beside an F32 target (SmolLM2 Q4_1: ~0.4 of a step), so
-        # the scheduler drafts and the prompts are handed over
-        real_prior = DraftModelDrafter.cost_prior
-        monkeypatch.setattr(DraftModelDrafter, "cost_prior", lambda self, note=None: replace(
-            prior := real_prior(self, note), fixed_ms=0.0, per_token_ms=0.4 * prior.per_token_ms))
-    with edgespec.load(tiny_target, drafter=tiny_q8, n_ctx=1024, num_draft=gamma) as engine:
+    with edgespec.load(target, drafter=drafter, n_ctx=n_ctx, num_draft=gamma) as engine:
         assert engine.drafter.handoff is not None
+        rec = _Recorder(engine.target)
         for prompt in PROMPTS[:3]:
+            engine.target = rec._b
             plain = engine.generate(prompt, max_tokens=48, speculative=False)
+            engine.target, rec.blocks = rec, []
             spec = engine.generate(prompt, max_tokens=48)
-            assert spec.tokens == plain.tokens
-    assert copies and max(copies) > 8  # each prompt was handed over, not read
+            if exact:
+                assert spec.tokens == plain.tokens
+            else:
+                rows = np.concatenate([b for b in rec.blocks if len(b)])
+                assert set(spec.tokens) <= set(np.argmax(rows, axis=1).tolist())
+            assert spec.stats.n_drafted > 0 and spec.stats.n_accepted > 0
+        engine.target = rec._b
+    assert copies and max(copies) > 8
+
+
+def test_greedy_with_handoff_equals_plain(tiny_target: Path, tiny_q8: Path, monkeypatch) -> None:
+    _greedy_with_handoff(tiny_target, tiny_q8, 3, monkeypatch)
+
+
+@pytest.mark.real
+def test_auto_hands_over_on_a_pair_that_pays(smollm2_f32_path: Path, smollm2_path: Path, monkeypatch) -> None:
+    """-k auto with the handoff, priced from the pair's own measured costs: SmolLM2 F32 and its Q4_1
+    release (a draft step ~0.6 of the target's here), where drafting pays, so auto drafts from the
+    first cycle and hands each prompt over. (Not the tiny 2-layer pair: its Q8_0 copy steps at
+    0.6-0.9 of the F32 target's, all overhead, where the cost model gives drafting at 0.95 acceptance
+    1.0-1.2x, around the 1.02x at which auto tries a costly drafter at once: whether it drafts there
+    is the machine's timing noise, not a property of the scheduler; docs/testing.md.)"""
+    _greedy_with_handoff(smollm2_f32_path, smollm2_path, "auto", monkeypatch, n_ctx=512, exact=False)
