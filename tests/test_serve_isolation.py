@@ -99,7 +99,7 @@ def _pin(engine: Engine, clock: Clock) -> Engine:
 
 
 def _spec(kind: str, tiny_drafter: Path) -> str:
-    return {"ngram": "ngram", "chain": f"ngram,{tiny_drafter}", "model": str(tiny_drafter)}[kind]
+    return {"ngram": "ngram", "history": "history", "chain": f"ngram,{tiny_drafter}", "model": str(tiny_drafter)}[kind]
 
 
 Run = Callable[..., list[tuple]]
@@ -147,7 +147,7 @@ def _drafted(record: tuple) -> int:
     return sum(n for n, _ in record[1])
 
 
-@pytest.mark.parametrize("kind", ["ngram", "chain", "model"])
+@pytest.mark.parametrize("kind", ["ngram", "history", "chain", "model"])
 @pytest.mark.parametrize("mode", ["session", "off"])
 def test_a_client_is_scheduled_as_on_a_cold_server(run: Run, kind: str, mode: str) -> None:
     a, b = (ALICE, BOB) if mode == "session" else (None, None)  # off: every request is on its own
