@@ -214,26 +214,26 @@ class BeeProfit(Controller):
     def _ready(self, d: int) -> bool:
         return self.cycle[d].n >= self.MIN_SAMPLES and self.cycle[d].value > 0
 
-    def _expected(self, n: int) -> float | None:
-        if any(self.survival[i].n < self.MIN_SAMPLES for i in range(n)):
-            return None
-        return sum(min(1.0, max(0.0, self.survival[i].value)) for i in range(n))
-
-    def _score(self, n: int) -> float | None:
-        """(1 + E[accepted]) per ms of cycle at depth n (None: not known enough)."""
-        if n == 0:
-            return 1.0 / self.cycle[0].value
-        e = self._expected(n)
-        if e is None:
-            return None
-        if self._ready(n):
-            return (1.0 + e) / self.cycle[n].value
+    def _scores(self) -> dict[int, float]:
+        """{depth: (1 + E[accepted]) per ms of its cycle} for the depths known enough (0: the
+        baseline); an unmeasured depth is extrapolated from the nearest measured one."""
+        scores = {0: 1.0 / self.cycle[0].value}
         ready = [d for d in range(1, self.base + 1) if self._ready(d)]
-        if not ready:
-            return None
-        ref = min(ready, key=lambda d: abs(d - n))
-        ms = n * self.draft_ms[ref].value / ref + self.verify_ms[ref].value
-        return (1.0 + e) / ms if ms > 0 else None
+        expected = 0.0
+        for n in range(1, self.base + 1):
+            if self.survival[n - 1].n < self.MIN_SAMPLES:
+                break  # E[accepted] at depth ≥ n is not known
+            expected += min(1.0, max(0.0, self.survival[n - 1].value))
+            if self._ready(n):
+                ms = self.cycle[n].value
+            elif ready:
+                ref = min(ready, key=lambda d: abs(d - n))
+                ms = n * self.draft_ms[ref].value / ref + self.verify_ms[ref].value
+            else:
+                continue
+            if ms > 0:
+                scores[n] = (1.0 + expected) / ms
+        return scores
 
     def _decide(self) -> int:
         if not self._ready(0):
@@ -241,7 +241,7 @@ class BeeProfit(Controller):
         if not any(self._ready(d) for d in range(1, self.base + 1)):
             return self.base
         current = max(0, min(self.resume if self.resume > 0 else self.n, self.base))
-        scores = {n: s for n in range(self.base + 1) if (s := self._score(n)) is not None}
+        scores = self._scores()
         self.resume = -1
         best = max(scores, key=lambda n: (scores[n], -n))  # the first of equal scores
         if best == 0 or scores[best] < scores[0] * (1 + self.PROFIT_MIN):

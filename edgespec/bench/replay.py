@@ -31,6 +31,7 @@ auto_vs_best_fixed_median=… auto_vs_best_controller_median=… auto_vs_oracle_
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -137,6 +138,11 @@ def run_controller(task: Task, c: Costs, ctrl: pol.Controller) -> Result:
     tr, ms, cycles, p = task.trace, 0.0, 0, 0
     n, ctx0 = len(tr.output), tr.prompt_len - 1
     ctrl.start()
+    if type(ctrl) is pol.Fixed:  # the fast path: no confidences, no feedback
+        while p < n:
+            g = min(ctrl.gamma, _limit(tr, p), task.offer[p])
+            ms, cycles, p = ms + c.draft(g) + c.verify(g + 1, ctx0 + p), cycles + 1, p + min(g, task.run[p]) + 1
+        return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
     while p < n:
         limit = _limit(tr, p)
         k = min(ctrl.ask(limit), limit, task.offer[p]) if limit else 0
@@ -291,7 +297,7 @@ def replay_chain(sets: list[TraceSet], device: Any, seed: int = 0) -> dict[str, 
 
 
 def total(rs: list[Result]) -> float:
-    return sum(r.plain_ms for r in rs) / sum(r.ms for r in rs)
+    return sum(r.plain_ms for r in rs) / sum(r.ms for r in rs) if rs else float("nan")
 
 
 def tau(rs: list[Result]) -> float:
@@ -332,13 +338,19 @@ def chains_of(sets: list[TraceSet]) -> list[list[TraceSet]]:
 
 def replay_all(sets: list[TraceSet], devices: list[Any]) -> dict[str, dict[str, dict[str, list[Result]]]]:
     """{device: {set name: {policy: results}}}, chains included (names joined by ',')."""
+    if len(devices) > 1 and (os.cpu_count() or 1) > 1:  # one process a device
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(len(devices), os.cpu_count() or 1)) as ex:
+            parts = list(ex.map(replay_all, [sets] * len(devices), [[d] for d in devices]))
+        return {k: v for part in parts for k, v in part.items()}
     out: dict[str, dict[str, dict[str, list[Result]]]] = {}
     for dev in devices:  # a drafter kind the device has no cost for is left out there
         cells = {set_name(ts): replay_set(ts, dev) for ts in sets if ts.kind in dev.draft}
         for ch in chains_of(sets):
-            if all(ts.kind in dev.draft for ts in ch):
+            if all(ts.kind in dev.draft for ts in ch) and (res := replay_chain(ch, dev))["auto"]:
                 name = f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"
-                cells[name] = replay_chain(ch, dev)
+                cells[name] = res
         out[getattr(dev, "name", str(dev))] = cells
     return out
 
