@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from test_serve_protocol import wait_idle
 
 import edgespec
 from edgespec.engine import Engine
@@ -173,7 +174,7 @@ def _wait_cancelled(live: Live, before: int) -> None:
     deadline = time.monotonic() + 20
     while live.server.worker.status()["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert live.server.worker.wait_idle(20)
+    assert wait_idle(live.server.worker, 20)
     assert live.server.worker.status()["cancelled"] == before + 1
 
 

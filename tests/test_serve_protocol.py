@@ -22,6 +22,19 @@ from edgespec.server.protocol import chunk, parse_json, parse_request, response,
 from edgespec.server.worker import Event, Worker
 from edgespec.stats import Stats
 
+
+def wait_idle(worker: Worker, timeout: float) -> bool:
+    """Whether the worker is idle (nothing runs or waits) within `timeout` seconds, by its status."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = worker.status()
+        if not s["generating"] and not s["waiting"]:
+            return True
+        time.sleep(0.01)
+    return False
+
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -228,7 +241,7 @@ def test_worker_cancel_waiting_and_running_within_one_step() -> None:
         assert worker.status()["waiting"] == 0  # a cancelled waiting request frees its place at once
         worker.cancel(job)
         engine.gate.set()
-        assert worker.wait_idle(5)
+        assert wait_idle(worker, 5)
         assert engine.produced <= 1 and not waiting.events  # stopped at the next step; b never ran
         assert worker.status()["cancelled"] == 2 and not running.done.is_set()
         after = Sink()

@@ -116,11 +116,6 @@ class Worker:
             return {"generating": self._current is not None, "waiting": len(self._waiting),
                     "done": self.n_done, "cancelled": self.n_cancelled, **self.isolation.status()}
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until nothing runs or waits (True), or `timeout` seconds pass (False)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._current is None and not self._waiting, timeout)
-
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking requests, stop the running one, fail the waiting ones, end the thread."""
         with self._cond:
