@@ -30,6 +30,17 @@ head then reads roughly what the target's last block reads, and its greedy draft
 half the time (``MEASURED_ACCEPTANCE``, measured by tests/test_mtp.py::test_fixture_acceptance).
 A check that the pairing is upstream's: with ``fc`` = [0 | I], the block's matrices and norms zeroed,
 the head at position p returns the target's own prediction at p-1, i.e. the token at p (19/19).
+
+``qwen35_mtp_agreeing`` (a session fixture; ``AGREEING``): the same architecture built so that ``-k auto``
+drafts, for the tests of the scheduler pricing and picking the head. Its head predicts the trunk's next
+token: three linear-attention layers at 0.05 scale (they cost a target step its time but move its
+prediction little) before the full-attention layer the MTP block copies exactly (``mtp_noise`` 0: ``fc`` =
+[I | 0], the pre-fc norms the identity), so head and trunk compute nearly the same function of the token
+and its context (greedy acceptance about 0.8 at γ 3). Its FFNs are 8192 wide (32 MB of F32 weights, past
+the 32 MB L3 here: a bandwidth-bound target step of a few ms) while the head runs one block of the five:
+the head costs about a tenth of a target step and verifying 8 tokens about 1.5 steps, as on real models,
+whereas on the default fixture the head costs ~0.7 of a step, T(2) ~2·T(1) (the Gated-DeltaNet chunked
+kernel), and no acceptance would pay.
 """
 
 from __future__ import annotations
@@ -44,6 +55,8 @@ import numpy as np
 import pytest
 
 LLAMA_CPP_SRC = Path(os.environ.get("EDGESPEC_LLAMA_CPP_SRC", "~/.cache/edgespec/src/llama.cpp-0.3.36")).expanduser()
+
+AGREEING = dict(n_linear=3, linear_scale=0.05, mtp_noise=0.0, intermediate_size=8192)  # qwen35_mtp_agreeing
 
 # Greedy drafts of `mtp` at γ 3 on the default fixture, 128 new tokens after tests/test_mtp.py's prompt:
 # 0.43 of 167 drafts accepted (test_fixture_acceptance's printout; llama.cpp, 1 thread).
@@ -166,6 +179,8 @@ def _tensors(cfg: dict, seed: int, linear_scale: float, attn_scale: float, mtp_n
     t["mtp.fc.weight"] = fc.astype(np.float32)
     norm("mtp.pre_fc_norm_embedding.weight", e)
     norm("mtp.pre_fc_norm_hidden.weight", e)
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):  # noise 0: identity
+        t[name] *= np.float32(mtp_noise / 0.1)
     t["mtp.norm.weight"] = t["model.norm.weight"].copy()
     for name in [n for n in t if n.startswith(f"model.layers.{last}.")]:
         w = t[name]
@@ -175,14 +190,25 @@ def _tensors(cfg: dict, seed: int, linear_scale: float, attn_scale: float, mtp_n
     return t
 
 
+def config(n_linear: int = 1, intermediate_size: int = 128) -> dict:
+    """CONFIG with `n_linear` linear-attention layers before the full-attention one (mlx-lm's qwen3_5
+    places the full-attention layers by ``full_attention_interval``: every n_linear + 1-th) and FFNs of
+    `intermediate_size`."""
+    n = n_linear + 1
+    return CONFIG | dict(num_hidden_layers=n, full_attention_interval=n, intermediate_size=intermediate_size,
+                         layer_types=["linear_attention"] * n_linear + ["full_attention"])
+
+
 def write_checkpoint(d: Path, *, seed: int = 0, linear_scale: float = 0.3, attn_scale: float = 1.0,
-                     mtp_noise: float = 0.1, output_std: float = 0.5) -> Path:
+                     mtp_noise: float = 0.1, output_std: float = 0.5, n_linear: int = 1,
+                     intermediate_size: int = 128) -> Path:
     """config.json, model.safetensors and the tokenizer files of the tiny Qwen3.5 + MTP in ``d``."""
     from safetensors.numpy import save_file
 
+    cfg = config(n_linear, intermediate_size)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(CONFIG, indent=1))
-    save_file(_tensors(CONFIG, seed, linear_scale, attn_scale, mtp_noise, output_std), str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(_tensors(cfg, seed, linear_scale, attn_scale, mtp_noise, output_std), str(d / "model.safetensors"))
     write_tokenizer(d)
     return d
 
@@ -244,3 +270,30 @@ def no_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
 def qwen35_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(hf_dir, gguf_path) of the tiny Qwen3.5 + MTP fixture, built once a session."""
     return build_qwen35_mtp(tmp_path_factory.mktemp("qwen35_mtp"))
+
+
+@pytest.fixture(scope="session")
+def qwen35_mtp_agreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(hf_dir, gguf_path) of the Qwen3.5 + MTP fixture whose head agrees with its trunk and costs little
+    beside it (``AGREEING``): the one ``-k auto`` drafts on."""
+    return build_qwen35_mtp(tmp_path_factory.mktemp("qwen35_mtp_agreeing"), **AGREEING)
+
+
+def pin_fastest_profile(backend, rounds: int = 7) -> dict[int, float]:
+    """Write `backend`'s cost profile (T(k), what each cached token adds) as the fastest of `rounds`
+    timings of each forward, so that the scheduler of the engine opened next on the same file starts
+    from this fixture's measured costs on an idle core. The engine's own 2-s calibration takes medians of
+    a few timings, which other jobs on this machine's 2 shared cores inflate unevenly across k (seen here:
+    T(2) 5.9 ms beside T(4) 2.0 ms), and that decided whether ``-k auto`` drafted at all. Only the target's
+    times are pinned; the drafter's cost prior is its own, timed at load."""
+    from edgespec import calibration as cal
+
+    ks, time_forward = cal.CALIBRATION_KS, cal.time_forward
+    t = {k: min(ms) for k, ms in zip(ks, zip(*[time_forward(backend, ks, repeats=1).values() for _ in range(rounds)]))}
+    near = min(time_forward(backend, [16], repeats=1)[16] for _ in range(rounds))
+    far = min(time_forward(backend, [16], repeats=1, context=cal.CONTEXT_TOKENS + cal.CONTEXT_FAR)[16]
+              for _ in range(rounds))
+    cal.save_profile(cal.profile_path(backend), backend, t_forward_ms=t,
+                     context_ms=max(0.0, far - near) / (16 * cal.CONTEXT_FAR))
+    backend.truncate(0)
+    return t

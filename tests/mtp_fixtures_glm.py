@@ -34,6 +34,12 @@ copy of that last trunk block + ``mtp_noise`` (0.1) × init noise (router, bias 
 the target's final norm, and its own ``embed_tokens`` / ``shared_head.head`` the target's embedding and
 LM head + 0.01 × noise (released GLM checkpoints carry copies; the noise makes a graph that read the
 target's tensors instead visible to the reference test). ``MEASURED_ACCEPTANCE``: greedy drafts at γ 3.
+
+``glm4moe_mtp_agreeing`` (a session fixture; ``AGREEING``): built so that ``-k auto`` drafts. Three dense
+layers at 0.02 scale with FFNs 8192 wide (the target step's cost: ~32 MB of F32 weights, bandwidth-bound
+here) before the MoE layer the nextn block copies exactly (``mtp_noise`` 0: ``eh_proj`` = [I | 0], ``enorm``
+the identity): the head computes nearly the trunk's function (greedy acceptance about 0.8 at γ 3) for
+the cost of one small MoE block, about a tenth of a target step.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from mtp_fixtures import N_VOCAB, convert_hf, write_tokenizer
 # Greedy drafts of `mtp` at γ 3 on the default fixture, 128 new tokens after tests/test_mtp_glm.py's
 # prompt: 0.36 of 182 drafts accepted (test_glm_fixture_acceptance's printout; llama.cpp, 1 thread).
 MEASURED_ACCEPTANCE = 0.36
+
+AGREEING = dict(n_dense=3, first_scale=0.02, mtp_noise=0.0, intermediate_size=8192)  # glm4moe_mtp_agreeing
 
 GLM_SPECIALS = ["[gMASK]", "<sop>", "<|user|>", "<|observation|>"]
 N_VOCAB_GLM = N_VOCAB + len(GLM_SPECIALS)
@@ -131,6 +139,9 @@ def _tensors(cfg: dict, seed: int, first_scale: float, moe_scale: float, mtp_noi
     t[m + "eh_proj.weight"] = eh.astype(np.float32)
     vec(m + "enorm.weight", e, 1.0)
     vec(m + "hnorm.weight", e, 1.0)
+    if mtp_noise != 0.1:  # their noise follows mtp_noise's (0: the identity)
+        for name in (m + "enorm.weight", m + "hnorm.weight"):
+            t[name] = (1.0 + (t[name] - 1.0) * np.float32(mtp_noise / 0.1)).astype(np.float32)
     t[m + "shared_head.norm.weight"] = t["model.norm.weight"].copy()
     for own, target in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight")):
         w = t[target]
@@ -138,14 +149,22 @@ def _tensors(cfg: dict, seed: int, first_scale: float, moe_scale: float, mtp_noi
     return t
 
 
+def config(n_dense: int = 1, intermediate_size: int = 128) -> dict:
+    """CONFIG with `n_dense` dense layers (FFNs of `intermediate_size`) before the one MoE layer."""
+    return CONFIG | dict(first_k_dense_replace=n_dense, num_hidden_layers=n_dense + 1,
+                         intermediate_size=intermediate_size)
+
+
 def write_checkpoint(d: Path, *, seed: int = 0, first_scale: float = 0.3, moe_scale: float = 1.0,
-                     mtp_noise: float = 0.1, output_std: float = 0.5) -> Path:
+                     mtp_noise: float = 0.1, output_std: float = 0.5, n_dense: int = 1,
+                     intermediate_size: int = 128) -> Path:
     """config.json, model.safetensors and the tokenizer files of the tiny GLM-4.5-style MoE + MTP in ``d``."""
     from safetensors.numpy import save_file
 
+    cfg = config(n_dense, intermediate_size)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(CONFIG, indent=1))
-    save_file(_tensors(CONFIG, seed, first_scale, moe_scale, mtp_noise, output_std), str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(_tensors(cfg, seed, first_scale, moe_scale, mtp_noise, output_std), str(d / "model.safetensors"))
     write_glm_tokenizer(d)
     return d
 
@@ -163,3 +182,10 @@ def build_glm4moe_mtp(root: Path, **weights: float) -> tuple[Path, Path]:
 def glm4moe_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(hf_dir, gguf_path) of the tiny GLM-4.5-style MoE + MTP fixture, built once a session."""
     return build_glm4moe_mtp(tmp_path_factory.mktemp("glm4moe_mtp"))
+
+
+@pytest.fixture(scope="session")
+def glm4moe_mtp_agreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(hf_dir, gguf_path) of the GLM fixture whose nextn head agrees with its trunk and costs little beside
+    it (``AGREEING``): the one ``-k auto`` drafts on."""
+    return build_glm4moe_mtp(tmp_path_factory.mktemp("glm4moe_mtp_agreeing"), **AGREEING)

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from mtp_fixtures import convert_qwen35, qwen35_mtp  # noqa: F401  # a fixture
+from mtp_fixtures import convert_qwen35, pin_fastest_profile, qwen35_mtp, qwen35_mtp_agreeing  # noqa: F401
 from scipy.stats import chisquare
 
 import edgespec
@@ -40,27 +40,54 @@ def plain_tokens(mtp_gguf) -> list[int]:
         return engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
 
 
-@pytest.mark.parametrize("drafter, gamma", [("mtp", 1), ("mtp", 3), ("mtp", "auto"), ("ngram,mtp", 3),
-                                            ("ngram,mtp", "auto")])
+@pytest.mark.parametrize("drafter, gamma", [("mtp", 1), ("mtp", 3), ("ngram,mtp", 3)])
 def test_greedy_mtp_equals_plain(mtp_gguf, plain_tokens, drafter, gamma):
     check_greedy_mtp(mtp_gguf, plain_tokens, drafter, gamma)
 
 
-def check_greedy_mtp(path: Path, plain: list[int], drafter: str, gamma: int | str) -> None:
+@pytest.fixture(scope="module")
+def agreeing_plain(qwen35_mtp_agreeing) -> tuple[Path, list[int]]:  # noqa: F811
+    """(GGUF, plain greedy tokens) of the fixture whose head agrees with its trunk (mtp_fixtures.AGREEING)."""
+    path = qwen35_mtp_agreeing[1]
+    with edgespec.load(path, drafter=None, n_ctx=512, threads=1) as engine:
+        return path, engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram,mtp"])
+def test_greedy_mtp_auto_drafts_and_equals_plain(agreeing_plain, drafter):
+    """`-k auto` on the fixture built for it: the scheduler prices the head (its cost prior, timed at
+    load, against the target's T(k), the fastest of a few timings of this fixture: no cost is made up),
+    picks it, drafts, and the drafts are accepted; the output is the plain output."""
+    check_greedy_mtp(*agreeing_plain, drafter, "auto")
+
+
+def check_greedy_mtp(path: Path, plain: list[int], drafter: str, gamma: int | str) -> tuple[int, int]:
     """`drafter` (mtp or a chain ending in it) at `gamma` on the MTP fixture at `path` emits the plain
     greedy tokens, twice (the second from the cached prompt); at a fixed γ, with full and partial
-    acceptances both seen."""
+    acceptances both seen; at auto, with MTP drafts made and accepted (on a fixture whose head pays:
+    mtp_fixtures.AGREEING). Returns the first generation's (drafted, accepted)."""
+    if gamma == "auto":  # the target priced from its own fastest timings (mtp_fixtures.pin_fastest_profile)
+        with LlamaMtpTarget(path, n_ctx=512, threads=1) as target:
+            pinned = pin_fastest_profile(target)
     with edgespec.load(path, drafter=drafter, num_draft=gamma, n_ctx=512, threads=1) as engine:
         assert isinstance(engine.target, LlamaMtpTarget)
         assert isinstance(engine.drafter if drafter == "mtp" else engine.drafter.members[-1], MtpDrafter)
         out = engine.generate(PROMPT, max_tokens=64, temperature=0)
         again = engine.generate(PROMPT, max_tokens=64, temperature=0)  # the cached prompt, synced again
+        if gamma == "auto":
+            assert engine.pricing.t_forward == pinned
     assert out.tokens == plain and again.tokens == plain
     cycles = out.stats.cycles
     drafted, accepted = sum(d for d, _ in cycles), sum(n for _, n in cycles)
-    print(f"\n{Path(path).name} {drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
+    print(f"\n{Path(path).name} {drafter} γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles "
+          f"(again: {again.stats.n_accepted}/{again.stats.n_drafted}; verified per member {dict(out.stats.by_member)})")
     if gamma != "auto":
         assert any(d and n == d for d, n in cycles) and any(n < d for d, n in cycles)  # full and partial
+    else:  # the first generation drafts (how long it goes on drafting follows the cycles as timed)
+        assert out.stats.n_drafted > 0 and out.stats.n_accepted > 0
+        if drafter != "mtp":  # the chain verified the head's proposals, not only the n-gram's
+            assert out.stats.by_member["mtp"] > 0, dict(out.stats.by_member)
+    return drafted, accepted
 
 
 def greedy_acceptance(path: Path) -> float:

@@ -6,7 +6,8 @@ and the MTP block is MoE (sigmoid router with a selection bias, a shared expert)
 libllama MTP logits that MtpDrafter reads equal an independent float64 torch port of the upstream forward
 (tests/mtp_reference_glm.py) over positions with history and over a greedy chain; the head stays in sync
 through forced partial / full / no acceptance; greedy speculative output equals plain decoding at γ 3 and
-auto, alone and behind an n-gram drafter; sampled output keeps the target's distribution.
+auto (on glm4moe_mtp_agreeing, a variant whose head pays: drafts made and accepted), alone and behind
+an n-gram drafter; sampled output keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 from mtp_fixtures import no_flash_attn
-from mtp_fixtures_glm import MEASURED_ACCEPTANCE, glm4moe_mtp  # noqa: F401  # a fixture
+from mtp_fixtures_glm import MEASURED_ACCEPTANCE, glm4moe_mtp, glm4moe_mtp_agreeing  # noqa: F401  # fixtures
 from test_mtp import GREEDY, _sync_matches_fresh, check_greedy_mtp, chi_square, exact_pairs, greedy_acceptance
 
 import edgespec
@@ -124,11 +125,26 @@ def glm_plain_tokens(glm_gguf) -> list[int]:
         return engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
 
 
-@pytest.mark.parametrize("drafter, gamma", [("mtp", 3), ("mtp", "auto"), ("ngram,mtp", 3),
-                                            ("ngram,mtp", "auto")])
+@pytest.mark.parametrize("drafter, gamma", [("mtp", 3), ("ngram,mtp", 3)])
 def test_glm_greedy_mtp_equals_plain(glm_gguf, glm_plain_tokens, drafter, gamma):
     assert len(glm_plain_tokens) == 64
     check_greedy_mtp(glm_gguf, glm_plain_tokens, drafter, gamma)
+
+
+@pytest.fixture(scope="module")
+def glm_agreeing_plain(glm4moe_mtp_agreeing) -> tuple:  # noqa: F811
+    """(GGUF, plain greedy tokens) of the fixture whose nextn head agrees with its trunk (AGREEING)."""
+    path = glm4moe_mtp_agreeing[1]
+    with edgespec.load(path, drafter=None, n_ctx=512, threads=1) as engine:
+        return path, engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram,mtp"])
+def test_glm_greedy_mtp_auto_drafts_and_equals_plain(glm_agreeing_plain, drafter):
+    """`-k auto` prices, picks and drafts with the glm4moe nextn head (test_mtp.check_greedy_mtp: drafts
+    made and accepted, output == plain; the target's T(k) its own fastest timings, no cost made up)."""
+    assert len(glm_agreeing_plain[1]) == 64
+    check_greedy_mtp(*glm_agreeing_plain, drafter, "auto")
 
 
 def test_glm_fixture_acceptance(glm_gguf):
