@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from edgespec.bench import policies as pol
-from edgespec.bench import replay
+from edgespec.bench import replay, simulate
 from edgespec.bench.trace import Trace, TraceSet
+from edgespec.sampling import SamplingParams
 from edgespec.schedule import Scheduler
 from edgespec.schedule.costs import K_MAX
 
@@ -76,7 +77,7 @@ def test_greedy_acceptance_is_exactly_the_match():
     drafts = [out[p:p + 3] + [7] for p in range(10)]  # right 3, then wrong
     drafts[2] = [102, 5, 104]  # right 1, then wrong (a later right token does not count)
     drafts[4] = [105, 106]  # what follows the next token: nothing right
-    task = replay.prepare(trace("a", out, drafts), 0.0)
+    task = simulate.prepare(trace("a", out, drafts), 0.0)
     want = [min(3, 10 - p - 1) for p in range(10)]
     want[2], want[4] = 1, 0
     assert task.run == want  # capped by the tokens left after p's own: the last is the target's
@@ -93,7 +94,7 @@ def test_auto_accepts_exactly_the_match_of_what_it_verifies(monkeypatch):
         return observe(self, draft, accepted, *a, **k)
 
     monkeypatch.setattr(Scheduler, "observe", spy)
-    res = replay.run_auto([(ts, [replay.prepare(t, 0.0) for t in ts.traces])], Dev())
+    res = simulate.run_auto([(ts, [simulate.prepare(t, 0.0) for t in ts.traces])], Dev())
     assert sum(r.tokens for r in res) == 360 and any(d for d, _ in seen)
     for draft, acc in seen:
         assert acc <= len(draft)
@@ -116,8 +117,8 @@ def test_fixed_gamma_time_by_hand_on_three_cycles():
     tr = trace("h", out, drafts, prompt_len=100)
     dev = Dev(ctx_us=10.0)
     dev.draft = dict(dev.draft, model=(0.5, 0.2))
-    c = replay.Costs(dev, "model")
-    res = replay.run_controller(replay.prepare(tr, 0.0), c, pol.Fixed(3))
+    c = simulate.Costs(dev, "model")
+    res = simulate.run_controller(simulate.prepare(tr, 0.0), c, pol.Fixed(3))
     # cycle 1 at p=0: 3 drafted, 2 right -> emits 3; p=3: draft [13] (1 offered), right -> emits 2;
     # p=5: draft [15], right, but only 1 token left after p=5's own -> emits 2; done (7 tokens)
     ctx = 0.01  # ms per query token and cached token beyond 64
@@ -133,22 +134,22 @@ def test_oracle_of_a_copy_task_by_hand():
     out = list(range(100, 140))  # 40 tokens, every draft right to the end
     tr = trace("copy", out, [out[p:p + 31] for p in range(40)], prompt_len=10)
     # best: two cycles emitting 40 tokens (K_MAX = 32: e.g. 32 + 8): 2·0.9 + 40·0.1 = 5.8 for 40 T(1)
-    c = replay.Costs(Dev(), "ngram")
-    assert replay.oracle([replay.prepare(tr, 0.0)], [c]).speedup == pytest.approx(40 / 5.8)
+    c = simulate.Costs(Dev(), "ngram")
+    assert simulate.oracle([simulate.prepare(tr, 0.0)], [c]).speedup == pytest.approx(40 / 5.8)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
 def test_oracle_beats_every_fixed_gamma_and_controller(kind):
     rng = np.random.default_rng(2)
     dev = bandwidth_bound()
-    c = replay.Costs(dev, kind)
+    c = simulate.Costs(dev, kind)
     for i in range(4):
-        task = replay.prepare(random_trace(rng, f"t{i}", hit=0.3 + 0.2 * i, confident=True), 0.0)
-        best = replay.oracle([task], [c]).ms
+        task = simulate.prepare(random_trace(rng, f"t{i}", hit=0.3 + 0.2 * i, confident=True), 0.0)
+        best = simulate.oracle([task], [c]).ms
         for g in range(1, K_MAX):
-            assert best <= replay.run_controller(task, c, pol.Fixed(g)).ms + 1e-9
+            assert best <= simulate.run_controller(task, c, pol.Fixed(g)).ms + 1e-9
         for ctrl in replay.controllers(kind).values():
-            assert best <= replay.run_controller(task, c, ctrl).ms + 1e-9
+            assert best <= simulate.run_controller(task, c, ctrl).ms + 1e-9
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
@@ -165,17 +166,17 @@ def test_an_always_wrong_drafter_leaves_auto_at_plain(kind):
 def test_sampled_replay_follows_accept():
     out = list(range(50))
     drafts = [out[p:p + 8] for p in range(50)]
-    sure = replay.prepare(trace("s", out, drafts, accept=[1.0] * 50), 0.7)
+    sure = simulate.prepare(trace("s", out, drafts, accept=[1.0] * 50), 0.7)
     assert sure.run == [min(8, 50 - p - 1) for p in range(50)]
-    never = replay.prepare(trace("s", out, drafts, accept=[0.0] * 50), 0.7)
+    never = simulate.prepare(trace("s", out, drafts, accept=[0.0] * 50), 0.7)
     assert never.run == [0] * 50
-    half = replay.prepare(trace("s", out, drafts, accept=[0.5] * 50), 0.7)
-    assert half.run == replay.prepare(trace("s", out, drafts, accept=[0.5] * 50), 0.7).run  # fixed seed
-    c = replay.Costs(Dev(), "ngram")
+    half = simulate.prepare(trace("s", out, drafts, accept=[0.5] * 50), 0.7)
+    assert half.run == simulate.prepare(trace("s", out, drafts, accept=[0.5] * 50), 0.7).run  # fixed seed
+    c = simulate.Costs(Dev(), "ngram")
     # the expected-time oracle: accept = 1 is the greedy oracle of right drafts; lower accept, slower
-    greedy = replay.oracle([replay.prepare(trace("s", out, drafts), 0.0)], [c])
-    assert replay.oracle([sure], [c]).ms == pytest.approx(greedy.ms)
-    assert replay.oracle([half], [c]).ms > greedy.ms
+    greedy = simulate.oracle([simulate.prepare(trace("s", out, drafts), 0.0)], [c])
+    assert simulate.oracle([sure], [c]).ms == pytest.approx(greedy.ms)
+    assert simulate.oracle([half], [c]).ms > greedy.ms
 
 
 def test_trace_drafter_honours_stop_and_the_position():
@@ -183,14 +184,14 @@ def test_trace_drafter_honours_stop_and_the_position():
     tr = trace("d", out, [out[p:p + 6] for p in range(20)], prompt_len=5,
                confidence=[[0.9, 0.8, 0.2, 0.9, 0.9, 0.9] for _ in range(20)], support=[3] * 20)
     ts = trace_set([tr], kind="model")
-    d = replay.TraceDrafter(ts, replay.Costs(Dev(), "model"))
+    d = simulate.TraceDrafter(ts, simulate.Costs(Dev(), "model"))
     d.trace = tr
-    got = d.draft([0] * 5 + out[:4], 6, replay.SamplingParams(), None, stop=lambda conf: conf[-1] < 0.5)
+    got = d.draft([0] * 5 + out[:4], 6, SamplingParams(), None, stop=lambda conf: conf[-1] < 0.5)
     assert got.tokens == [4, 5] and got.confidence == [0.9, 0.8] and got.support == 3 and d.computed == 2
-    assert d.draft([0] * 5, 3, replay.SamplingParams(), None).tokens == [0, 1, 2]
+    assert d.draft([0] * 5, 3, SamplingParams(), None).tokens == [0, 1, 2]
     prior = d.cost_prior()
     assert prior is not None and prior.per_token_ms == pytest.approx(0.3) and not prior.block
-    assert replay.TraceDrafter(trace_set([tr]), replay.Costs(Dev(), "ngram")).cost_prior() is None
+    assert simulate.TraceDrafter(trace_set([tr]), simulate.Costs(Dev(), "ngram")).cost_prior() is None
 
 
 def test_controllers_follow_their_sources():

@@ -1,0 +1,233 @@
+"""One trace replayed under one policy on one device's costs: the simulation edgespec.bench.replay runs
+over every (trace set, device, policy).
+
+A cycle at position p verifies γ of the draft recorded there. Greedy: the accepted drafts are exactly
+the draft's match with output[p:]. T > 0: drafted position i is accepted with probability
+accept[p + i] (one uniform per position from a fixed-seed rng, shared by every policy), up to the first
+reject: an approximation (the real draft at p + i would follow sampled, not recorded, tokens). A cycle
+costs the drafting the drafter did (all it computed, even what is then cut: a free drafter's 31-token
+shadow draft included) plus T(γ + 1, context), T(k, c) = T(k) + k · ctx · (c − 64) with the device's
+T(k) and ctx_us; plain decoding costs T(1, c) per token. Speedup = plain time / the policy's time.
+At T > 0 `emitted()` gets probs=None: a shadow token is credited when the sampled output equals it,
+whose mean for a copying drafter (one-hot q) is p(x̃), the credit the engine's probs give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgespec.bench import policies as pol
+from edgespec.bench.trace import Trace, TraceSet
+from edgespec.drafters.base import Draft, DraftCost
+from edgespec.sampling import SamplingParams
+from edgespec.schedule import ChainScheduler, CostModel, Scheduler
+from edgespec.schedule.costs import K_MAX
+
+BASE_CONTEXT = 64  # the context T(k) is profiled after (edgespec.calibration.CONTEXT_TOKENS)
+
+
+class Costs:
+    """A device's true costs for one drafter kind (device: edgespec.bench.devices.Device)."""
+
+    def __init__(self, device: Any, kind: str) -> None:
+        self.device, self.kind = device, kind
+        self.t = list(device.t_ms)
+        self.ctx_ms = device.ctx_us / 1000.0
+
+    def verify(self, k: int, context: int) -> float:
+        return self.t[k] + k * self.ctx_ms * max(0, context - BASE_CONTEXT)
+
+    def draft(self, n: int) -> float:
+        return self.device.draft_ms(self.kind, n) if n > 0 else 0.0
+
+    def prior(self) -> DraftCost | None:
+        fixed, per_token = (x * self.t[1] for x in self.device.draft[self.kind])
+        if fixed <= 0 and per_token <= 0:
+            return None
+        return DraftCost(fixed, per_token, block=per_token <= 0)
+
+    def model(self) -> CostModel:
+        """The scheduler's starting cost model, as the engine's Pricing builds it."""
+        return CostModel.for_drafter({k: self.t[k] for k in range(1, len(self.t))}, self.prior(),
+                                     ctx_ms=self.ctx_ms, base_context=BASE_CONTEXT)
+
+
+@dataclass
+class Task:
+    """One trace made ready to replay: per position the draft on offer and how much of it passes."""
+
+    trace: Trace
+    offer: list[int]  # draft length recorded at p (≤ K_MAX − 1)
+    run: list[int]  # drafts that pass if verified (≤ offer, ≤ tokens left after p's own)
+    accept: list[float] | None  # T > 0: P(first draft token accepted) per position
+
+
+def prepare(trace: Trace, temperature: float, seed: int = 0) -> Task:
+    n, out = len(trace.output), trace.output
+    offer = [min(len(d), K_MAX - 1) for d in trace.drafts]
+    if temperature == 0 or trace.accept is None:
+        run = []
+        for p, d in enumerate(trace.drafts):
+            m, most = 0, min(offer[p], n - p - 1)
+            while m < most and d[m] == out[p + m]:
+                m += 1
+            run.append(m)
+        return Task(trace, offer, run, None)
+    u = np.random.default_rng([seed, *map(ord, trace.task)]).random(n)
+    ok = [float(x) < a for x, a in zip(u, trace.accept)]
+    streak, following = [0] * (n + 1), 0
+    for p in range(n - 1, -1, -1):
+        following = following + 1 if ok[p] else 0
+        streak[p] = following
+    run = [min(offer[p], streak[p], n - p - 1) for p in range(n)]
+    return Task(trace, offer, run, list(trace.accept))
+
+
+@dataclass
+class Result:
+    task: str
+    category: str
+    ms: float
+    plain_ms: float
+    tokens: int
+    cycles: float
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_ms / self.ms
+
+
+def plain_ms(task: Task, c: Costs) -> float:
+    ctx0 = task.trace.prompt_len - 1
+    return sum(c.verify(1, ctx0 + p) for p in range(len(task.trace.output)))
+
+
+def _limit(trace: Trace, p: int) -> int:
+    return max(0, min(K_MAX - 1, trace.max_tokens - p - 1))  # as the engine asks
+
+
+def run_controller(task: Task, c: Costs, ctrl: pol.Controller) -> Result:
+    """One task under a draft-length controller (fixed γ, an engine's heuristic)."""
+    tr, ms, cycles, p = task.trace, 0.0, 0, 0
+    n, ctx0 = len(tr.output), tr.prompt_len - 1
+    ctrl.start()
+    if type(ctrl) is pol.Fixed:  # the fast path: no confidences, no feedback
+        while p < n:
+            g = min(ctrl.gamma, _limit(tr, p), task.offer[p])
+            ms, cycles, p = ms + c.draft(g) + c.verify(g + 1, ctx0 + p), cycles + 1, p + min(g, task.run[p]) + 1
+        return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
+    while p < n:
+        limit = _limit(tr, p)
+        k = min(ctrl.ask(limit), limit, task.offer[p]) if limit else 0
+        conf = tr.confidence[p][:k] if tr.confidence is not None and tr.confidence[p] is not None else None
+        computed, g = ctrl.keep(conf, k) if k else (0, 0)
+        acc = min(g, task.run[p])
+        t_draft = c.draft(computed)
+        cycle = t_draft + c.verify(g + 1, ctx0 + p)
+        ctrl.feedback(g, acc, cycle, t_draft)
+        ms, cycles, p = ms + cycle, cycles + 1, p + acc + 1
+    return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
+
+
+def oracle(tasks: list[Task], costs: list[Costs]) -> Result:
+    """The least time knowing the output: a dynamic program over positions choosing, at each, the
+    member (a chain: any of `tasks`, one per member, same output) and γ; at T > 0 it minimises the
+    expected time over the accept[] Bernoulli model."""
+    tr = tasks[0].trace
+    n, ctx0 = len(tr.output), tr.prompt_len - 1
+    best, cyc = [0.0] * (n + 1), [0.0] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        b, bc = costs[0].verify(1, ctx0 + p) + best[p + 1], 1 + cyc[p + 1]  # a plain step
+        for task, c in zip(tasks, costs):
+            most = min(task.offer[p], _limit(tr, p))
+            if task.accept is None:
+                for g in range(1, most + 1):
+                    nxt = p + min(g, task.run[p]) + 1
+                    v = c.draft(g) + c.verify(g + 1, ctx0 + p) + best[nxt]
+                    if v < b:
+                        b, bc = v, 1 + cyc[nxt]
+                continue
+            s, pre, pre_c = 1.0, 0.0, 0.0  # S_g, Σ_{j<g} (S_j − S_{j+1}) · best[p + j + 1]
+            for g in range(1, most + 1):
+                s_next = s * task.accept[p + g - 1] if g <= n - p - 1 else 0.0
+                pre, pre_c = pre + (s - s_next) * best[p + g], pre_c + (s - s_next) * cyc[p + g]
+                s = s_next
+                nxt = min(n, p + g + 1)
+                v = c.draft(g) + c.verify(g + 1, ctx0 + p) + pre + s * best[nxt]
+                if v < b:
+                    b, bc = v, 1 + pre_c + s * cyc[nxt]
+        best[p], cyc[p] = b, bc
+    return Result(tr.task, tr.category, best[0], plain_ms(tasks[0], costs[0]), n, cyc[0])
+
+
+class TraceDrafter:
+    """A Drafter that proposes what a trace recorded at the position the context has reached."""
+
+    paths: tuple[str, ...] = ()
+
+    def __init__(self, traces: TraceSet, costs: Costs) -> None:
+        self.name, self.set, self.costs = traces.drafter, traces, costs
+        self.sampled_q = traces.temperature > 0 and traces.kind not in pol.COPYING
+        self.trace: Trace | None = None
+        self.computed = 0  # tokens drafted since `computed` was last zeroed (a block: rows asked)
+
+    def draft(self, context, gamma, params, rng, stop=None) -> Draft:
+        tr = self.trace
+        assert tr is not None
+        p = len(context) - tr.prompt_len
+        tokens = tr.drafts[p][:gamma]
+        conf = tr.confidence[p][:len(tokens)] if tr.confidence is not None and tr.confidence[p] is not None else None
+        if stop is not None and conf is not None:
+            n = next((i for i in range(len(tokens)) if stop(conf[:i + 1])), len(tokens))
+            tokens, conf = tokens[:n], conf[:n]
+        self.computed += gamma if tokens and self.costs.device.draft[self.set.kind][1] <= 0 else len(tokens)
+        q = np.zeros((len(tokens), 1)) if self.sampled_q and tokens else None  # sampled: not cut afterwards
+        support = tr.support[p] if tr.support is not None else None
+        return Draft(list(tokens), q, None if conf is None else list(conf), support=support)
+
+    def cost_prior(self, note=None) -> DraftCost | None:
+        return self.costs.prior()
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Result]:
+    """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`."""
+    costs = [Costs(device, ts.kind) for ts, _ in members]
+    drafters = [TraceDrafter(ts, c) for (ts, _), c in zip(members, costs)]
+    scheds = [Scheduler(c.model()) for c in costs]
+    chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
+    sched: Any = chain or scheds[0]
+    temp = members[0][0].temperature
+    params, rng = SamplingParams(temperature=temp), np.random.default_rng(0)
+    out = []
+    for i, task in enumerate(members[0][1]):
+        tr = task.trace
+        n, ctx0, ms, cycles, p = len(tr.output), tr.prompt_len - 1, 0.0, 0, 0
+        for d, (_, tasks) in zip(drafters, members):
+            d.trace = tasks[i].trace
+        sched.new_generation(tr.prompt_len, tr.max_tokens)
+        context = [0] * tr.prompt_len + tr.output  # a drafter reads only its length here
+        while p < n:
+            limit = _limit(tr, p)
+            for d in drafters:
+                d.computed = 0
+            d_, dec = sched.draft(None if chain else drafters[0], context[:tr.prompt_len + p], limit, params, rng) \
+                if limit else (Draft([]), None)
+            g = len(d_.tokens)
+            who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
+            acc = min(g, members[who][1][i].run[p])
+            t_draft = sum(c.draft(d.computed) for c, d in zip(costs, drafters))
+            t_verify = costs[0].verify(g + 1, ctx0 + p)
+            sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
+            sched.emitted(tr.output[p:p + acc + 1], None)
+            ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
+        out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
+    return out
