@@ -15,6 +15,11 @@ Weights (``write_pair``): the blocks add their sandwich-normed outputs at ``targ
 ``assistant_scale`` (0.05), and ``_craft`` gives the assistant the target's LM head (first half), so it
 predicts roughly what the target does: greedy acceptance 0.59 at γ 3 over 128 tokens (0.47 with
 the assistant at 0.1 and noise 0.1; 0.0 with random assistant weights).
+
+``gemma4_pair_agreeing`` (a session fixture; ``AGREEING``): built so that ``-k auto`` drafts. The target's
+blocks at 0.02 (it scores the next token almost from the current one, which the assistant reads
+exactly: noise 0), its FFNs 4096 wide (a target step of ~1-5 ms, bandwidth-bound here, beside an
+assistant step of ~0.06 ms): greedy acceptance about 0.85 at γ 3.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mtp_fixtures import CORPUS, _babble, convert_hf
+
+AGREEING = dict(target_scale=0.02, noise=0.0, target_ffn=4096)  # gemma4_pair_agreeing
 
 N_VOCAB = 512
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -56,15 +63,16 @@ def write_tokenizer(d: Path) -> None:
         unk_token="<unk>", add_bos_token=True, model_max_length=4096), indent=1))
 
 
-def _shapes(kind: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    """(config.json, HF tensor name -> shape) of the target ("target") or the assistant."""
+def _shapes(kind: str, target_ffn: int = TARGET["intermediate_size"]) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """(config.json, HF tensor name -> shape) of the target ("target": FFNs of `target_ffn`) or the assistant."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
     from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     with torch.device("meta"):
         if kind == "target":
-            cfg = Gemma4TextConfig(**TARGET, tie_word_embeddings=False)  # an LM head of its own: see _craft
+            cfg = Gemma4TextConfig(**TARGET | dict(intermediate_size=target_ffn),
+                                   tie_word_embeddings=False)  # an LM head of its own: see _craft
             model = Gemma4ForCausalLM(cfg)
             arch = "Gemma4ForCausalLM"
         else:
@@ -119,11 +127,12 @@ def _craft(t: dict[str, np.ndarray], a: dict[str, np.ndarray], noise: float, see
 
 
 def write_pair(root: Path, seed: int = 0, target_scale: float = 0.1, assistant_scale: float = 0.05,
-               noise: float = 0.05) -> tuple[Path, Path]:
-    """The target's and the assistant's HF directories under ``root`` (blocks at these init scales)."""
+               noise: float = 0.05, target_ffn: int = TARGET["intermediate_size"]) -> tuple[Path, Path]:
+    """The target's and the assistant's HF directories under ``root`` (blocks at these init scales, the
+    target's FFNs `target_ffn` wide)."""
     from safetensors.numpy import save_file
 
-    (tc, ts), (ac, ash) = _shapes("target"), _shapes("assistant")
+    (tc, ts), (ac, ash) = _shapes("target", target_ffn), _shapes("assistant")
     tw, aw = _weights(ts, seed, target_scale), _weights(ash, seed + 1, assistant_scale)
     _craft(tw, aw, noise, seed + 2)
     dirs = []
@@ -149,3 +158,10 @@ def build_gemma4_pair(root: Path, **weights: float) -> tuple[Path, Path]:
 def gemma4_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(target GGUF, assistant GGUF) of the tiny Gemma-4 pair, built once a session."""
     return build_gemma4_pair(tmp_path_factory.mktemp("gemma4"))
+
+
+@pytest.fixture(scope="session")
+def gemma4_pair_agreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target GGUF, assistant GGUF) of the pair whose assistant agrees with its target and costs little
+    beside it (``AGREEING``): the one ``-k auto`` drafts on."""
+    return build_gemma4_pair(tmp_path_factory.mktemp("gemma4_agreeing"), **AGREEING)

@@ -1,6 +1,7 @@
 """`--drafter ASSISTANT.gguf` on a Gemma-4 target: the assistant reads the target's KV cache and hidden
 rows (tests/gemma4_fixtures.py: a tiny gemma4 + gemma4-assistant pair converted by llama.cpp's own
-converter; skipped without it)."""
+converter; skipped without it). Greedy == plain at γ 1 and 3 on the default pair, and at -k auto, with
+drafts made and accepted, on gemma4_pair_agreeing (llama.cpp only: no MLX assistant drafter)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gemma4_fixtures import gemma4_pair  # noqa: F401  # a fixture
-from mtp_fixtures import qwen35_mtp  # noqa: F401  # a fixture
+from gemma4_fixtures import gemma4_pair, gemma4_pair_agreeing  # noqa: F401  # fixtures
+from mtp_fixtures import pin_fastest_profile, qwen35_mtp  # noqa: F401  # a fixture
 from test_mtp import GREEDY, PROMPT, chi_square, exact_pairs
 
 import edgespec
@@ -21,25 +22,56 @@ from edgespec.drafters.assistant import AssistantDrafter
 from edgespec.session import Session, plan
 
 
-@pytest.fixture(scope="module")
-def plain_tokens(gemma4_pair) -> list[int]:  # noqa: F811
-    with edgespec.load(gemma4_pair[0], drafter=None, n_ctx=512, threads=1) as engine:
+def _plain(target: Path) -> list[int]:
+    with edgespec.load(target, drafter=None, n_ctx=512, threads=1) as engine:
         return engine.generate(PROMPT, max_tokens=64, temperature=0).tokens
 
 
-@pytest.mark.parametrize("gamma", [1, 3, "auto"])
-def test_greedy_assistant_equals_plain(gemma4_pair, plain_tokens, gamma):  # noqa: F811
-    target, assistant = gemma4_pair
+@pytest.fixture(scope="module")
+def plain_tokens(gemma4_pair) -> list[int]:  # noqa: F811
+    return _plain(gemma4_pair[0])
+
+
+@pytest.fixture(scope="module")
+def agreeing_plain_tokens(gemma4_pair_agreeing) -> list[int]:  # noqa: F811
+    return _plain(gemma4_pair_agreeing[0])
+
+
+def check_greedy_assistant(pair: tuple[Path, Path], plain: list[int], gamma: int | str) -> None:
+    """The assistant at `gamma` emits the plain greedy tokens, twice (the second from the cached prompt);
+    at a fixed γ with full and partial acceptances both seen; at auto with drafts made and accepted, the
+    target's T(k) pinned to its own fastest timings (mtp_fixtures.pin_fastest_profile)."""
+    target, assistant = pair
+    if gamma == "auto":
+        with LlamaMtpTarget(target, n_ctx=512, threads=1) as t:
+            pinned = pin_fastest_profile(t)
     with edgespec.load(target, drafter=str(assistant), num_draft=gamma, n_ctx=512, threads=1) as engine:
         assert isinstance(engine.target, LlamaMtpTarget) and isinstance(engine.drafter, AssistantDrafter)
         out = engine.generate(PROMPT, max_tokens=64, temperature=0)
         again = engine.generate(PROMPT, max_tokens=64, temperature=0)
-    assert out.tokens == plain_tokens and again.tokens == plain_tokens
+        if gamma == "auto":
+            assert engine.pricing.t_forward == pinned
+    assert out.tokens == plain and again.tokens == plain
     cycles = out.stats.cycles
     drafted, accepted = sum(d for d, _ in cycles), sum(n for _, n in cycles)
-    print(f"\nassistant γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles")
+    print(f"\n{target.name} assistant γ={gamma}: {accepted}/{drafted} drafts accepted in {len(cycles)} cycles "
+          f"(again: {again.stats.n_accepted}/{again.stats.n_drafted})")
     if gamma != "auto":
         assert any(d and n == d for d, n in cycles) and any(n < d for d, n in cycles)  # full and partial
+    else:
+        assert drafted > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_assistant_equals_plain(gemma4_pair, plain_tokens, gamma):  # noqa: F811
+    check_greedy_assistant(gemma4_pair, plain_tokens, gamma)
+
+
+def test_greedy_assistant_auto_drafts_and_equals_plain(gemma4_pair_agreeing, agreeing_plain_tokens):  # noqa: F811
+    """`-k auto` prices the assistant (its T(1), timed at load) against the target (its own fastest
+    timings; no cost made up), picks it and drafts, on the pair built for it (gemma4_fixtures.AGREEING:
+    the default pair's target steps as fast as two assistant steps, so no acceptance would pay there)."""
+    check_greedy_assistant(gemma4_pair_agreeing, agreeing_plain_tokens, "auto")
 
 
 def test_the_assistant_leaves_the_target_as_it_was(gemma4_pair):  # noqa: F811
