@@ -1,0 +1,110 @@
+"""Ablate the scheduler's tunables on the replay: what each one buys, in the replay's numbers.
+
+Every variant changes one tunable of edgespec.schedule (most often: switches its mechanism off) and
+replays `-k auto` over every trace set (chains included) on every device. A cell is one (device,
+trace set, category): its speedup over plain. For each variant the report gives the largest change
+of any cell against today's scheduler, the worst cell, and whether the regression gate
+(replay.check) still passes. A tunable whose variants change no cell by more than 1% buys nothing
+the replay can see.
+
+    .venv/bin/python -m edgespec.bench.ablate --traces tests/fixtures/traces --device all
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from collections.abc import Iterator
+from typing import Any
+
+from edgespec.bench import replay, simulate
+from edgespec.schedule import chain, costs, scheduler
+
+# name -> [(module, attribute, value)]: what the variant sets
+VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
+    "free: only a drafter that costs nothing (FREE_DRAFT 0)": [(scheduler, "FREE_DRAFT", 1e-12)],
+    "no probes (PROBE_BUDGET 0, PROBE_SHARE 0)": [(scheduler, "PROBE_BUDGET", 0.0), (scheduler, "PROBE_SHARE", 0.0)],
+    "probes at EXPLORE_ACCEPTANCE (PROBE_ACCEPTANCE 0.95)": [(scheduler, "PROBE_ACCEPTANCE", 0.95)],
+    "no probe optimism (PROBE_OPTIMISM 0)": [(scheduler, "PROBE_OPTIMISM", 0.0)],
+    "one shadow draft (MAX_SHADOWS 1)": [(scheduler, "MAX_SHADOWS", 1)],
+    "recent rate = last outcome (RECENT 1)": [(scheduler, "RECENT", 1.0)],
+    "recent rate slow (RECENT 0.05)": [(scheduler, "RECENT", 0.05)],
+    "no slow start (SLOW_START 31)": [(scheduler, "SLOW_START", costs.K_MAX - 1)],
+    "one run bucket (RUN_PRIORS (0.5,))": [(scheduler, "RUN_PRIORS", (0.5,))],
+    "flat run priors (RUN_PRIORS 0.5 x6)": [(scheduler, "RUN_PRIORS", (0.5,) * 6)],
+    "no exploration (EXPLORE_GAIN inf)": [(scheduler, "EXPLORE_GAIN", float("inf"))],
+    "exploration prior 0.9 (EXPLORE_ACCEPTANCE 0.9)": [(scheduler, "EXPLORE_ACCEPTANCE", 0.9)],
+    "exploration prior weak (EXPLORE_STRENGTH 1)": [(scheduler, "EXPLORE_STRENGTH", 1.0)],
+    "costly drafters to 31 (COSTLY_GAMMA 31)": [(scheduler, "COSTLY_GAMMA", costs.K_MAX - 1)],
+    "costly drafters to 8 (COSTLY_GAMMA 8)": [(scheduler, "COSTLY_GAMMA", 8)],
+    "chain: newest lag only (LAG_WEIGHT 1)": [(chain, "LAG_WEIGHT", 1.0)],
+    "chain: newest generation only (FREE_WEIGHT 1, FREE_MIN_TOKENS 1)": [
+        (chain, "FREE_WEIGHT", 1.0), (chain, "FREE_MIN_TOKENS", 1)],
+    "cost fit unweighted (FIT_WEIGHT_CAP 1)": [(costs, "FIT_WEIGHT_CAP", 1)],
+}
+
+
+@contextlib.contextmanager
+def patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(m, a, getattr(m, a)) for m, a, _ in changes]
+    try:
+        for m, a, v in changes:
+            setattr(m, a, v)
+        yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
+
+
+def auto_cells(sets: list, devices: list) -> dict[tuple[str, str, str], float]:
+    """{(device, trace set, category): -k auto's speedup over plain}, and the per-task results for the gate."""
+    cells, results = {}, {}
+    for dev in devices:
+        res: dict[str, dict[str, list]] = {}
+        for ts in sets:
+            if ts.kind in dev.draft:
+                tasks = [simulate.prepare(t, ts.temperature) for t in ts.traces]
+                res[replay.set_name(ts)] = {"auto": simulate.run_auto([(ts, tasks)], dev)}
+        for ch in replay.chains_of(sets):
+            if all(ts.kind in dev.draft for ts in ch):
+                name = f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"
+                res[name] = {"auto": replay.replay_chain(ch, dev)["auto"]}
+        results[dev.name] = res
+        for name, r in res.items():
+            for cat, rs in replay.by_category(r["auto"]).items():
+                cells[dev.name, name, cat] = replay.total(rs)
+    return cells, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", action="append", help="trace directory or file (default tests/fixtures/traces)")
+    ap.add_argument("--device", action="append", help="'all', a bundled name or a file (repeatable)")
+    ap.add_argument("--only", action="append", help="run only variants whose name contains this")
+    args = ap.parse_args(argv)
+    from edgespec.bench.devices import bundled, load_device
+
+    sets = [ts for p in (args.traces or ["tests/fixtures/traces"]) for ts in replay.load_sets(p)]
+    devices = [load_device(d) for s in (args.device or ["all"]) for d in (bundled() if s == "all" else [s])]
+    base, base_res = auto_cells(sets, devices)
+    print(f"today: {len(base)} cells, median {statistics.median(base.values()):.3f}x plain, "
+          f"min {min(base.values()):.3f}; gate: {'pass' if not replay.check(base_res) else 'FAIL'}\n")
+    print("| variant | largest cell change | median change | worst cell (today → variant) | gate |")
+    print("|---|---|---|---|---|")
+    for name, changes in VARIANTS.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        with patched(changes):
+            cells, res = auto_cells(sets, devices)
+        rel = {k: cells[k] / base[k] - 1 for k in base}
+        worst = max(rel, key=lambda k: abs(rel[k]))
+        fails = replay.check(res)
+        print(f"| {name} | {rel[worst]:+.1%} | {statistics.median(rel.values()):+.2%} | "
+              f"{' '.join(worst)}: {base[worst]:.3f} → {cells[worst]:.3f} | {'pass' if not fails else f'FAIL ({len(fails)})'} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
