@@ -69,7 +69,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    from edgespec.bench.provenance import line, provenance
     from edgespec.models import model_home
+
+    print(f"ran at: {line(provenance())}", flush=True)
 
     kinds = ("new machine", "new drafter", "warm", "plain")
     runs: dict[str, list[dict]] = {k: [] for k in kinds}

@@ -4,7 +4,8 @@
 
 Per directory and temperature it takes the "all" rows: the fixed γ with the best median speedup
 here, the one with the best predicted memory-bound speedup (when it differs) and `k=auto`. Columns
-are read from each directory's results.json (written by `edgespec bench`); nothing is re-measured
+are read from each directory's results.json (written by `edgespec bench`, with the commit it ran on:
+"?" for results written before bench recorded it); nothing is re-measured
 (for results written before bench reported draft cost and the prediction, both are computed from
 the stored cycles the same way, bench.run.memory_bound_prediction).
 Predicted memory-bound speedups are predictions (see the bench tables' header).
@@ -45,7 +46,8 @@ def rows(result_dir: Path, temperatures: set[float] | None = None) -> list[dict]
             out.append({"target": Path(meta["target"]).name, "drafter": drafter, "k": k, "temp": temp,
                         "tasks": f"{tasks} ({len(meta['tasks'])})", "tau": r["tau"],
                         "cost": r.get("draft_cost_vs_t1"), "speedup": r["speedup_median"],
-                        "predicted": r.get("predicted_memory_bound"), "dir": result_dir.name})
+                        "predicted": r.get("predicted_memory_bound"), "dir": result_dir.name,
+                        "commit": meta.get("env", {}).get("commit", "?")})
     return out
 
 
@@ -54,10 +56,10 @@ def markdown(table: list[dict]) -> str:
         return "–" if x is None else format(x, fmt)
 
     lines = ["| target | drafter | γ | temp | tasks | τ | draft cost ÷ T(1) | speedup here (median) | "
-             "predicted memory-bound | results |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "predicted memory-bound | results (commit) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {r['target']} | {r['drafter']} | {r['k']} | {r['temp']:g} | {r['tasks']} | {r['tau']:.2f} | "
-                     f"{num(r['cost'], '.3f')} | {r['speedup']:.2f} | {num(r['predicted'], '.2f')} | {r['dir']} |")
+                     f"{num(r['cost'], '.3f')} | {r['speedup']:.2f} | {num(r['predicted'], '.2f')} | {r['dir']} ({r['commit']}) |")
     return "\n".join(lines) + "\n"
 
 

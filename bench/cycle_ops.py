@@ -15,6 +15,7 @@ import statistics
 import time
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
+from edgespec.bench.provenance import line, provenance
 from edgespec.models import resolve_model
 
 CACHED = 64
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    print(f"ran at: {line(provenance())}", flush=True)
     target = LlamaCppBackend(resolve_model(args.target), n_ctx=1024, threads=args.threads)
     drafter = LlamaCppBackend(resolve_model(args.drafter), n_ctx=1024, threads=args.threads)
     prefix = list(range(1000, 1000 + CACHED))

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
+from edgespec.bench.provenance import line, provenance
 from edgespec.verify import accept_greedy, verify_greedy
 
 MODELS = {"49k SmolLM2 Q4_1": "SmolLM2-135M-Instruct.Q4_1.gguf", "262k Gemma-3 Q4_K_M": "gemma-3-270m-q4_k_m.gguf"}
@@ -79,7 +80,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(f"    .venv/bin/python bench/greedy_argmax.py --repeats {args.repeats} --threads "
-                            f"{args.threads} --gammas {args.gammas}\n\nms, medians of {args.repeats} alternated pairs\n\n"
+                            f"{args.threads} --gammas {args.gammas}\n\n{line(provenance())}\n\n"
+                            f"ms, medians of {args.repeats} alternated pairs\n\n"
                             + text)
 
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
+from edgespec.bench.provenance import line, provenance
 
 CONTEXT = "The history of the printing press begins with movable type. " * 6
 DRAFT = " the quick brown fox jumps over the lazy dog and runs"
@@ -30,6 +31,7 @@ class Sampled(LlamaCppBackend):
 
 
 def main(path: str, repeats: int = 45) -> None:
+    print(f"ran at: {line(provenance())}", flush=True)
     a, b = Sampled(path, n_ctx=512, threads=2), LlamaCppBackend(path, n_ctx=512, threads=2)
     ll = a._ll
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())

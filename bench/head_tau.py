@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgespec.bench.provenance import line, provenance
 from edgespec.heads.eagle3 import Eagle3Head
 from edgespec.heads.gguf_io import read_eagle3_gguf
 from edgespec.models import resolve_model
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5, help="γ: drafts per chain")
     ap.add_argument("heads", nargs="+", type=Path, help="EAGLE-3 head GGUFs")
     args = ap.parse_args()
+    print(f"ran at: {line(provenance())}", flush=True)
     work = args.work_dir.expanduser()
     sets = [s for s in SETS if (work / s).is_dir()]
     if not sets:

@@ -28,6 +28,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from edgespec.bench.provenance import line as provenance_line  # noqa: E402
+from edgespec.bench.provenance import provenance  # noqa: E402
 from edgespec.drafters.history import HistoryDrafter  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
 
@@ -111,7 +113,7 @@ def measure(docs: list[list[int]], n_tokens: int) -> dict:
             "drafted_per_call": drafted / len(calls), "context_tokens": len(ctx)}
 
 
-def table(results: dict, args: argparse.Namespace) -> str:
+def table(results: dict, args: argparse.Namespace, prov: dict) -> str:
     rows = ["| history | tokens indexed | MiB per 1M tokens | bytes/token | index µs/token | call µs (median, p90) | lookup µs | drafted/call |",
             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -119,8 +121,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
                     f"{r['index_us_per_token']:.1f} | {r['call_us_median']:.1f}, {r['call_us_p90']:.1f} | "
                     f"{r['lookup_us_median']:.1f} | {r['drafted_per_call']:.1f} |")
     return ("# History drafter: memory and drafting time\n\n"
-            f"`.venv/bin/python bench/history_cost.py --tokens {args.tokens}` ({time.strftime('%Y-%m-%d')}, "
-            f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, alone on the machine).\n"
+            f"`.venv/bin/python bench/history_cost.py --tokens {args.tokens}` ({provenance_line(prov)}, "
+            f"Python {platform.python_version()}, alone on the machine).\n"
             "A call = index the one new context token + draft up to 16 (what the engine does per plain step "
             "or cycle), in the second half of a request whose history is all the others; lookup = the "
             "same call with nothing new to index.\n\n" + "\n".join(rows) + "\n")
@@ -139,9 +141,10 @@ def main() -> None:
     print("real-text history...", file=sys.stderr)
     results["real text (edgespec's prompt suites)"] = measure(real_requests(args.model, args.tokens), args.tokens)
     args.out.mkdir(parents=True, exist_ok=True)
+    prov = provenance(REPO)
     (args.out / "results.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                       "results": results}, indent=1))
-    md = table(results, args)
+                                                       "provenance": prov, "results": results}, indent=1))
+    md = table(results, args, prov)
     (args.out / "results.md").write_text(md)
     print(md)
 

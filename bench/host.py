@@ -46,6 +46,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from edgespec.backends.reference import ReferenceBackend  # noqa: E402
+from edgespec.bench.provenance import line as provenance_line  # noqa: E402
+from edgespec.bench.provenance import provenance  # noqa: E402
 from edgespec.drafters.ngram import NgramDrafter  # noqa: E402
 from edgespec.engine import Engine  # noqa: E402
 from edgespec.sampling import SamplingParams  # noqa: E402
@@ -306,6 +308,7 @@ def write(out: Path, host: list[dict], loop: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "host.json").write_text(json.dumps(dict(meta=meta, host=host, loop=loop), separators=(",", ":")) + "\n")
     lines = [f"# Host path ({meta['date']}, {meta['cpu']}, one thread)", "",
+             f"Ran at: {provenance_line(meta)}", "",
              f"`{meta['command']}` (load {meta['load']:.1f}). ms per call ({meta['clock']}), medians of {meta['repeats']}, before and "
              f"after alternating; before = {meta['before']}, after = edgespec now; verify: every draft accepted; "
              "llama.cpp: its sampler chain on one row.", ""]
@@ -383,9 +386,7 @@ def main() -> None:
             print(f"timing {name} ({x.shape[1]} ids)", file=sys.stderr)
             host += host_rows(name, x, args.repeats)
     loop = [] if args.only else loop_rows(max(3, args.repeats // 3))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
-    write(args.out, host, loop, dict(date=time.strftime("%Y-%m-%d %H:%M"), cpu=cpu, repeats=args.repeats,
+    write(args.out, host, loop, dict(**provenance(REPO), repeats=args.repeats,
                                      load=os.getloadavg()[0], before=args.against or f"{ROW_AT_A_TIME} (row at a time)",
                                      clock="thread CPU time" if args.cpu else "wall clock",
                                      command=" ".join(sys.argv)))

@@ -24,6 +24,7 @@ import numpy as np
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.backends.llama_features import LlamaFeatureBackend
+from edgespec.bench.provenance import line, provenance
 from edgespec.models import resolve_model
 from edgespec.train.features import CachePlan, FeatureCache, build_cache, chat_tokens
 from edgespec.train.generate import BatchGenerator, chat_prompts, self_distill
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--n-seq", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    print(f"ran at: {line(provenance())}", flush=True)
     path = resolve_model(a.target)
     generated = generate_prompts(a.prompts, seed=11)
     prompts = [p.turns for p in generated]

@@ -31,6 +31,8 @@ def test_paired_ratios_are_taken_within_each_task_and_repeat(capsys: pytest.Capt
     assert a[1] == "2" and a[-4:] == ["1.38", "1.10", "**1.10**", "1.10"]  # ÷ n-max 4, ÷ n-max 8, ÷ best
     assert b[1] == "1" and b[-2] == "**1.10**" and b[3] == "100.0"
     assert everything[1] == "3" and everything[-2] == "**1.10**"
+    assert t["category"][6] == "auto ÷ native plain"  # native plain beside native's best speculative setting
+    assert a[6] == "1.65" and b[6] == "0.99" and everything[6] == "1.65"
 
 
 def test_native_tokens_past_the_budget_are_discounted_in_the_last_column(capsys: pytest.CaptureFixture[str]):

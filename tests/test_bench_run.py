@@ -151,6 +151,8 @@ def test_bench_cli_writes_partial_results_on_ctrl_c(monkeypatch, tmp_path, smoll
     data = json.loads((out / "results.json").read_text())
     assert len(data["runs"]) == 4 and data["meta"]["interrupted_after"] == 4
     assert (out / "results.md").read_text().count("ngram k=4") >= 2
+    env = data["meta"]["env"]  # provenance: the commit, date and CPU model, in the json and the md header
+    assert {"commit", "date", "cpu"} <= set(env) and f"commit {env['commit']}" in (out / "results.md").read_text()
 
 
 def test_k0_is_a_plain_vs_plain_control():

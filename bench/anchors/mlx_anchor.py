@@ -48,7 +48,10 @@ def main() -> None:
 
     import edgespec
     from edgespec.backends.mlx import mlx_model_dir
+    from edgespec.bench.provenance import line, provenance
     from edgespec.models import resolve_model
+
+    print(f"ran at: {line(provenance(REPO))}", flush=True)
 
     engine = edgespec.load(args.target, args.drafter, backend="mlx", n_ctx=1024, num_draft=args.num_draft)
     target, _ = load_model(mlx_model_dir(resolve_model(args.target)))

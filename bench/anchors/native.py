@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from edgespec.api import load
+    from edgespec.bench.provenance import provenance
     from edgespec.bench.run import run_one
     from edgespec.bench.tasks import load_tasks
     from edgespec.models import resolve_model
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 native_defaults=args.native_defaults, chat_template=chat, repeats=args.repeats,
                 tasks=[t.id for t in selected], commands=commands,
                 machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs",
-                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                **provenance(REPO))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({len(rows)} rows)", file=sys.stderr)

@@ -180,12 +180,10 @@ def run_text(cmd: Sequence[str], timeout: float = 30) -> str:
 
 
 def environment(llama_bin: str | None, target: str) -> dict[str, Any]:
-    cpu = ""
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), "")
-    except OSError:
-        cpu = platform.processor()
+    """The run's machine and software, with its provenance (commit, date, CPU model:
+    edgespec.bench.provenance); edgespec_commit is the full hash."""
+    from edgespec.bench.provenance import provenance
+
     try:
         import llama_cpp
         llama_cpp_version = llama_cpp.__version__
@@ -193,8 +191,8 @@ def environment(llama_bin: str | None, target: str) -> dict[str, Any]:
         llama_cpp_version = None
     commit = run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"]).strip()
     dirty = bool(run_text(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]).strip())
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "platform": platform.platform(), "cpu": cpu,
-           "cpus": os.cpu_count(), "python": platform.python_version(), "llama_cpp_python": llama_cpp_version,
+    env = {**provenance(REPO), "platform": platform.platform(), "cpus": os.cpu_count(),
+           "python": platform.python_version(), "llama_cpp_python": llama_cpp_version,
            "edgespec_commit": commit, "edgespec_dirty": dirty, "target": target,
            "target_bytes": Path(target).stat().st_size, "loadavg_start": os.getloadavg()}
     if llama_bin:

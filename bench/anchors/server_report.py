@@ -161,8 +161,8 @@ def report(path: str) -> str:
     args, env = result["meta"]["args"], result["meta"]["environment"]
     suites = " ".join(f"--suite {s}" for s in args["suite"])
     head = (f"`.venv/bin/python bench/anchors/server_anchor.py --target {args['target'].rsplit('/', 1)[-1]} "
-            f"{suites} --rounds {args['rounds']}` ({env['date']}, {env['cpus']} CPUs, edgespec "
-            f"{env['edgespec_commit'][:7]}, llama-server {env['llama_server_version'][0].removeprefix('version: ')}).\n\n")
+            f"{suites} --rounds {args['rounds']}` ({env['date']}, {env.get('cpu') or '?'}, {env['cpus']} CPUs, "
+            f"edgespec {env.get('commit') or env['edgespec_commit'][:7]}, llama-server {env['llama_server_version'][0].removeprefix('version: ')}).\n\n")
     return head + markdown(result["summary"], result["mismatches"], args["rounds"])
 
 

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from edgespec.api import load
+    from edgespec.bench.provenance import provenance
     from edgespec.models import resolve_model
 
     binary = find_binary(args.bin)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
           + f" | **{ratio(rows, 'plain'):.3f}** | **{ratio(rows, 'auto'):.3f}** |")
     meta = dict(binary=str(binary), target=target, threads=args.threads, ctx=args.ctx, max_tokens=args.max_tokens,
                 native_command=" ".join([str(binary), *flags, "-f", "PROMPT", "-n", str(args.max_tokens - 1)]),
-                machine=f"{platform.platform()}, {os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                machine=f"{platform.platform()}, {os.cpu_count()} CPUs", **provenance(REPO),
                 prompts=PROMPTS)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), separators=(",", ":")) + "\n", encoding="utf-8")

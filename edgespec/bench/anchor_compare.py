@@ -12,8 +12,10 @@ the two measurements is visible.
 
 With one file, written by `bench/anchors/native.py --edgespec-auto`: the paired table. Each (task, repeat) ran
 every native n-max and edgespec `-k auto` back to back; per category it gives median tok/s and the
-medians of the per-pair ratios auto ÷ native n-max N, and auto ÷ the best native n-max of that very
-pair (an oracle choice per task, the strictest reading).
+medians of the per-pair ratios auto ÷ native plain (n-max 0), auto ÷ native n-max N, and auto ÷ the
+best native speculative n-max of that very pair (an oracle choice per task among native's
+speculative settings: read it beside auto ÷ native plain, since a speculative setting can lose to
+native plain).
 """
 
 from __future__ import annotations
@@ -80,25 +82,30 @@ def paired(nat: dict) -> None:
     spec_n = sorted(n for n in meta["n_max"] if n > 0)
     med = statistics.median
     if "date" in meta:  # what the runs were: a caption over the table
+        ran = f", edgespec {meta['commit']}" if "commit" in meta else ""  # results written before provenance lack it
+        cpu = f"{meta['cpu']}, " if "cpu" in meta else ""
         print(f"`{meta['target'].rsplit('/', 1)[-1]}` + `{str(meta['drafter']).rsplit('/', 1)[-1]}`, "
-              f"{meta['date']} ({meta['machine']}, {meta['threads']} threads): {len(meta['tasks'])} tasks × "
+              f"{meta['date']} ({cpu}{meta['machine']}, {meta['threads']} threads{ran}): {len(meta['tasks'])} tasks × "
               f"{meta['repeats']} repeat(s), greedy, {budget_text(nat['rows'])}.\n")
+    # native plain beside native's speculative settings: a speculative setting slower than native plain
+    # makes "auto ÷ best n-max" flatter edgespec; "auto ÷ native plain" does not
     print("| category | pairs | edgespec auto tok/s | native plain tok/s | "
-          + " | ".join(f"native n-max {n} tok/s" for n in spec_n) + " | "
+          + " | ".join(f"native n-max {n} tok/s" for n in spec_n) + " | auto ÷ native plain | "
           + " | ".join(f"auto ÷ n-max {n}" for n in spec_n) + " | auto ÷ best n-max of each pair | "
           "the same, native counted to the budget |")
-    print("|---" * (6 + 2 * len(spec_n)) + "|")
+    print("|---" * (7 + 2 * len(spec_n)) + "|")
     for cat in sorted(set(cat_of.values())) + ["all"]:
         keys = [k for k in runs if cat in ("all", cat_of[k[0]])]
         rs = [runs[k] for k in keys]
         plain = f"{med(v[0] for v in rs):.1f}" if all(0 in v for v in rs) else "–"
+        vs_plain = f"{med(v['auto'] / v[0] for v in rs):.2f}" if all(0 in v for v in rs) else "–"
         speeds = " | ".join(f"{med(v[n] for v in rs):.1f}" for n in spec_n)
         ratios = " | ".join(f"{med(v['auto'] / v[n] for v in rs):.2f}" for n in spec_n)
         best = med(v["auto"] / max(v[n] for n in spec_n) for v in rs)
         # native drafts past the budget in its last cycle (up to n-max tokens): counting only the
         # budget's tokens in the same time bounds its rate from below
         capped = med(runs[k]["auto"] / max(budget[k][n] for n in spec_n) for k in keys)
-        print(f"| {cat} | {len(rs)} | {med(v['auto'] for v in rs):.1f} | {plain} | {speeds} | {ratios} | "
+        print(f"| {cat} | {len(rs)} | {med(v['auto'] for v in rs):.1f} | {plain} | {speeds} | {vs_plain} | {ratios} | "
               f"**{best:.2f}** | {capped:.2f} |")
 
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from edgespec.bench import provenance
 from edgespec.bench.run import is_fixed_gamma
 
 
@@ -18,8 +19,9 @@ def write_json(path: Path, meta: dict, summary: list[dict], runs: list[dict], tu
 def markdown(meta: dict, summary: Sequence[dict], plots: Sequence[str] = (), turns: Sequence[dict] = ()) -> str:
     lines = [f"# edgespec bench — {Path(meta['target']).name}", "",
              f"Command: `{meta['command']}`", "",
+             f"Ran at: {provenance.line(meta['env'])}", "",
              f"Machine: {meta['env']['platform']}, {meta['env']['machine']}, {meta['threads']} threads · "
-             f"edgespec {meta['env']['edgespec']} · llama-cpp-python {meta['env']['llama_cpp']} · {meta['env']['date']}",
+             f"edgespec {meta['env']['edgespec']} · llama-cpp-python {meta['env']['llama_cpp']}",
              "", "Models: " + ", ".join(f"`{Path(p).name}` ({h[:12]}…)" for p, h in meta["sha256"].items()), "",
              "Speedup = spec tok/s ÷ the plain run just before it (alternating), min / **median** / max over "
              "tasks × repeats. τ = tokens per target pass. Wasted verify / token = rejected draft positions "

@@ -11,12 +11,12 @@ from __future__ import annotations
 import platform
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from edgespec.bench.profile import ideal_speedup_at
+from edgespec.bench.provenance import provenance
 from edgespec.bench.sessions import Session, as_session
 from edgespec.bench.tasks import Task
 from edgespec.drafters.base import DraftCost
@@ -213,6 +213,8 @@ def acceptance_by_position(cycles: Sequence[tuple[int, int]]) -> list[float | No
 
 
 def environment() -> dict:
+    """The software and machine of a bench run: versions, platform, and its provenance (commit, date,
+    CPU model: edgespec.bench.provenance)."""
     import llama_cpp
     import numpy
 
@@ -220,7 +222,7 @@ def environment() -> dict:
 
     return dict(python=sys.version.split()[0], platform=platform.platform(), machine=platform.machine(),
                 processor=platform.processor(), edgespec=edgespec.__version__, llama_cpp=llama_cpp.__version__,
-                numpy=numpy.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                numpy=numpy.__version__, **provenance())
 
 
 def runs_as_dicts(runs: Sequence[Run]) -> list[dict]:
