@@ -70,7 +70,7 @@ def test_greedy_assistant_equals_plain(gemma4_pair, plain_tokens, gamma):  # noq
 def test_greedy_assistant_auto_drafts_and_equals_plain(gemma4_pair_agreeing, agreeing_plain_tokens):  # noqa: F811
     """`-k auto` prices the assistant (its T(1), timed at load) against the target (its own fastest
     timings; no cost made up), picks it and drafts, on the pair built for it (gemma4_fixtures.AGREEING:
-    the default pair's target steps as fast as two assistant steps, so no acceptance would pay there)."""
+    a default pair's target step costs ~1.6 assistant steps and T(2) ~2·T(1): no acceptance pays there)."""
     check_greedy_assistant(gemma4_pair_agreeing, agreeing_plain_tokens, "auto")
 
 
