@@ -183,7 +183,8 @@ EXACT_FIRST = 4  # batches checked before the single steps for the larger ones a
 def exact_batch(backend: Backend, k_max: int = 16, note: Callable[[str], None] | None = None) -> int:
     """The largest k ≤ k_max for which a k-token forward returns exactly the logits of k single-token
     steps (cached in the profile). Beyond it, verification would not see what plain decoding sees:
-    llama.cpp's CPU K-quant matmuls switch kernels at 8 rows here (Gemma-270M Q4_K_M: Δ up to 1.4)."""
+    a backend may switch matmul kernels at some batch size (llama.cpp's CPU K-quant kernels do), and
+    the logits past that size differ from single steps."""
     path = profile_path(backend)
     prof = load_profile(path)
     if prof is not None and prof.exact_batch is not None:

@@ -80,8 +80,8 @@ def _environment() -> _Sandbox:
 
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str) -> Template:
-    """The template compiled once per template text: compiling SmolLM2's costs ~4 ms here, every
-    chat turn's fixed cost before its first token (a failure is not cached: it raises each time)."""
+    """The template compiled once per template text, so compiling is not a fixed cost of every chat
+    turn before its first token (a failure is not cached: it raises each time)."""
     return _environment().from_string(template)
 
 

@@ -191,9 +191,8 @@ class _CbEvalCapture:
     address across decodes. A stale entry after a rebuild cannot capture the wrong tensor (the name
     is checked again before copying); one that misses a wanted tensor leaves a slot empty, and the
     backend then forgets the memo and redoes that decode (``LlamaFeatureBackend._decode``).
-    Measured on Gemma-3-270M Q4_K_M: the callbacks cost ≈ 0.77 ms per one-token decode reading
-    every name, vs 14.4 ms for the decode itself; with the memo +1.2% per decode (40 alternating
-    rounds), the compiled callback -0.6% (none).
+    The memo spares the callbacks reading every tensor name at every decode (docs/heads.md gives the
+    callbacks' cost per step).
     """
 
     user_data = None  # cb_eval_user_data: this callback keeps its state on the Python object

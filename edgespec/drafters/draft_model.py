@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 # from this id on (ids below are control tokens that models number differently).
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 DRAFT_CONTEXT = 16  # cached tokens a draft model's T(1) and T(2) are timed after (its cost prior) ...
-DRAFT_REPEATS = 5  # ... in this many alternating repeats (SmolLM2 Q4_1 here, 6 timings each: T(1)
-# 8.1-10.8 ms with 3, 8.2-9.0 with 5 after 64 tokens; medians 8.9 and 8.6)
+DRAFT_REPEATS = 5  # ... in this many alternating repeats (fewer spread the prior more: docs/experiments/
+# bandwidth-regime.md, "The first generation")
 VOCAB_CHECK_START_TOKEN_ID = 5
 _VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo-2"}  # llama_vocab_type
 
