@@ -8,10 +8,15 @@ the checkpoint and re-evaluates the accepted tokens, a cost the scheduler prices
 The loop asks a scheduler four things (`Scheduling`): `new_generation`, `draft`, `observe`, `emitted`.
 Under num_draft="auto" it is the Pricing's for the drafter, unless `stream(scheduler=...)` names another
 for that generation (edgespec.bench.record's, which drafts in shadow at every position and records).
+
+A target with no cached cost profile is not timed before its first auto reply: that reply decodes
+plainly, its steps are timed as they run, and the rest is timed after it, in the background while
+the engine is idle (schedule.first_use; `_time_idle`), a run the next generation stops.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,12 +30,16 @@ from edgespec.drafters.base import Draft, Drafter, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.generation import Chunk, Generating, cut
 from edgespec.sampling import Dist, SamplingParams
+from edgespec.schedule.first_use import StepLog, time_idle
 from edgespec.schedule.pricing import Pricing
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import K_MAX, check_num_draft
 from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
 from edgespec.verify import accept_greedy, verify_stochastic
+
+log = logging.getLogger("edgespec")
+IDLE_STOP_S = 60.0  # most a generation waits for an idle timing run to stop (one forward, a drafter's prior)
 
 
 class Scheduling(Protocol):
@@ -64,6 +73,11 @@ class Engine(Generating):
         self._kv: list[int] = []
         self._cancel = threading.Event()
         self._busy = threading.Lock()
+        self._guard = threading.Lock()  # who holds `_busy`: `_idle` is set while an idle timing run does
+        self._idle: threading.Event | None = None  # set it to stop the idle timing run
+        self._idle_thread: threading.Thread | None = None
+        self._steps: StepLog | None = None  # an unprofiled target's first reply: its plain steps, timed
+        self.idle_error: BaseException | None = None  # what stopped the latest idle timing run, if it failed
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -106,7 +120,11 @@ class Engine(Generating):
             gamma = 0
         # the lock comes before anything that touches the target: calibration resets its KV cache
         self._lock()
+        learn = None
         try:
+            if gamma == "auto" and scheduler is None and self.pricing.unknown():
+                gamma, learn = 0, StepLog()  # no cost profile: decode plainly, time the steps (first_use)
+            self._steps = learn
             if gamma != 0:  # pricing may time the target in its KV cache: the context is forgotten then
                 self.pricing.measure_exact_batch()
             sched = None if gamma != "auto" else scheduler or self.pricing.scheduler(self.drafter, params.greedy)
@@ -123,15 +141,30 @@ class Engine(Generating):
             yield from self._run(ids, max_tokens, params, np.random.default_rng(seed), gamma, stop, sched,
                                  remember=scheduler is None)
         finally:
-            self._forget_evicted()  # the backend reset itself after an error
-            self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
-            self._busy.release()
+            self._steps = None
+            try:
+                self._forget_evicted()  # the backend reset itself after an error
+                self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
+            finally:
+                if learn is not None and learn.steps:
+                    self._start_idle(learn)  # hands the held engine over to the idle timing run
+                else:
+                    self._busy.release()
 
-    def calibrate(self, note: Callable[[str], None] | None = None) -> None:
+    def calibrate(self, note: Callable[[str], None] | None = None, background: bool = False) -> None:
         """Load (or time, and cache per model) the cost profiles that num_draft="auto" starts from:
-        T(k) in ≤ 2 s, what each cached token adds in ~2–3 s, the drafter's `cost_prior()`. Runs by
-        itself at the first auto generation; call it to choose when. `note` hears of timing.
-        Refused while the engine is generating (timing uses the target's KV cache)."""
+        T(k) in ≤ 2 s, what each cached token adds in ~2–3 s, the drafter's `cost_prior()`. A target
+        with a cached profile is priced at its first auto generation, one without one after its first
+        auto reply (which decodes plainly), while the engine is idle; call this to choose when.
+        `note` hears of timing. `background`: time in a background run holding the engine, as after
+        a first reply, which the next generation stops (`wait_priced` waits for it; nothing is
+        started when nothing needs timing or the engine is busy). Refused while the engine is
+        generating (timing uses the target's KV cache)."""
+        if background:
+            if self.num_draft == "auto" and self.drafter is not None and self.pricing.unknown() \
+                    and self._busy.acquire(blocking=False):
+                self._start_idle(None)
+            return
         self._lock()
         try:
             self.pricing.calibrate(self.drafter, note)
@@ -140,20 +173,49 @@ class Engine(Generating):
             self._busy.release()
 
     @property
+    def timing(self) -> bool:
+        """Whether an idle timing run (after a first reply, or `calibrate(background=True)`) is on."""
+        thread = self._idle_thread
+        return thread is not None and thread.is_alive()
+
+    def wait_priced(self, timeout: float | None = None) -> bool:
+        """Wait for the idle timing run, if one is on; whether the target's costs are known now."""
+        thread = self._idle_thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.timing and not self.pricing.unknown()
+
+    @property
     def costs(self) -> CostProfile | None:
         """What calibration measured (None before it ran): T(k), the context term, the exact batch."""
         return self.pricing.costs
 
     def cancel(self) -> None:
-        """Stop the running generation after its current cycle (thread-safe)."""
+        """Stop the running generation after its current cycle, or an idle timing run within one
+        forward (thread-safe)."""
         self._cancel.set()
+        if (idle := self._idle) is not None:
+            idle.set()
 
     def reset(self) -> None:
-        """Forget the cached prompt (the next generation evaluates its prompt from scratch)."""
-        self._kv = []
-        self.target.truncate(0)
+        """Forget the cached prompt (the next generation evaluates its prompt from scratch); stops an
+        idle timing run first."""
+        self._lock()
+        try:
+            self._kv = []
+            self.target.truncate(0)
+        finally:
+            self._busy.release()
+
+    def stop_timing(self) -> None:
+        """Stop an idle timing run, if one is on, and wait for it (within one forward)."""
+        if (idle := self._idle) is not None:
+            idle.set()
+        if self._idle_thread is not None:
+            self._idle_thread.join()
 
     def close(self) -> None:
+        self.stop_timing()
         if self.drafter is not None:
             self.drafter.close()
         self.target.close()
@@ -165,8 +227,37 @@ class Engine(Generating):
         self.close()
 
     def _lock(self) -> None:
-        if not self._busy.acquire(blocking=False):
-            raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
+        """Hold the engine: at once, or after stopping an idle timing run (within one forward)."""
+        with self._guard:
+            if self._busy.acquire(blocking=False):
+                return
+            idle = self._idle
+        if idle is not None:
+            idle.set()
+            if self._busy.acquire(timeout=IDLE_STOP_S):
+                return
+        raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
+
+    def _start_idle(self, steps: StepLog | None) -> None:
+        """Hand the engine, held by the caller, to a background timing run (`_time_idle`)."""
+        stop = threading.Event()
+        with self._guard:
+            self._idle = stop
+        self._idle_thread = threading.Thread(target=self._time_idle, args=(stop, steps), daemon=True,
+                                             name="edgespec-idle-timing")
+        self._idle_thread.start()
+
+    def _time_idle(self, stop: threading.Event, steps: StepLog | None) -> None:
+        """The idle timing run (schedule.first_use.time_idle), then the engine is free again."""
+        try:
+            self._kv, error = time_idle(self.pricing, self.drafter, self._kv, stop, steps)
+            if error is not None:  # a backend fault: the next auto generation decodes plainly, tries again
+                self.idle_error = error
+                log.warning("timing the target while idle failed: %s: %s", type(error).__name__, error)
+        finally:
+            with self._guard:
+                self._idle = None
+                self._busy.release()
 
     def _forget_evicted(self) -> None:
         """Keep `_kv` to what the target still holds (pricing and errors reset the target's cache)."""
@@ -262,6 +353,8 @@ class Engine(Generating):
         self.target.truncate(len(self._kv))  # roll back the rejected drafts (recurrent: re-evaluates)
         t3 = time.perf_counter()
         rollback = t3 - t_cut if self.target.recurrent and n < len(x) else 0.0
+        if self._steps is not None:
+            self._steps.add(n_cached, t3 - t1)
         if sched is not None:
             sched.observe(draft, n, t1 - t0 - (plan.seconds if plan else 0.0), t3 - t1 - rollback, n_cached,
                           rollback=rollback)

@@ -139,6 +139,7 @@ class Session:
 
     def close(self) -> None:
         """Close every drafter, the target and the plain engine's target (if one was opened)."""
+        self.engine.stop_timing()  # an idle timing run may be timing a drafter
         self.engine.drafter = None
         for d in self.drafters.values():
             d.close()
@@ -155,25 +156,34 @@ class Session:
 
 def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend: str = "llama.cpp",
          num_draft: int | str = "auto", note: Callable[[str], None] | None = None, price: bool = False,
-         **options: Any) -> Engine:
+         learn: bool = False, **options: Any) -> Engine:
     """plan → open → (price): one Engine that owns its target and drafter (close it when done).
 
-    `price` prices at once when num_draft is "auto" and there is a drafter (`note` hears of timing);
-    else the first auto generation does. Other arguments: as for `plan`.
+    `price` prices at once when num_draft is "auto" and there is a drafter (`note` hears of timing),
+    unless `learn` and the target has no cached cost profile (`price_engine`); else the first auto
+    generation does. Other arguments: as for `plan`.
     """
     planned = plan(target, drafter, backend, num_draft=num_draft, **options)
     engine = Session(planned).engine
     try:
         if price:
-            price_engine(engine, note)
+            price_engine(engine, note, learn=learn)
     except BaseException:
         engine.close()
         raise
     return engine
 
 
-def price_engine(engine: Engine, note: Callable[[str], None] | None = None) -> None:
+def price_engine(engine: Engine, note: Callable[[str], None] | None = None, learn: bool = False) -> None:
     """Price an engine now, not at its first auto generation: only when num_draft is "auto" and it has
-    a drafter (cached per model; `note` hears of timing). `load(price=True)` and `serve` call it."""
-    if engine.num_draft == "auto" and engine.drafter is not None:
-        engine.calibrate(note=note)
+    a drafter (cached per model; `note` hears of timing). `load(price=True)` and `serve` call it.
+    `learn`: a target with no cached cost profile is not timed now: `note` hears one line, and its
+    first auto reply decodes plainly while its costs are learned (edgespec.schedule.first_use)."""
+    if engine.num_draft != "auto" or engine.drafter is None:
+        return
+    if learn and engine.pricing.unknown():
+        if note:
+            note(f"no cost profile for {Path(engine.target.path).name} on this machine yet: replies decode "
+                 "plainly until its costs are learned, from the first reply and while idle (once per model)")
+        return
+    engine.calibrate(note=note)

@@ -15,6 +15,7 @@ which would carry one client's acceptance to another.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -53,29 +54,51 @@ class Pricing:
         deviations are near-ties (docs/known-limits.md)."""
         return self.exact if self.exact and self.exact >= MIN_CHUNK else None
 
-    def measure_exact_batch(self, note: Note = None) -> None:
+    def measure_exact_batch(self, note: Note = None, stop: threading.Event | None = None) -> None:
         """How many tokens one verification forward may take (cached per model after the first time).
-        Uses the target's KV cache: the caller holds the engine and resets it."""
+        Uses the target's KV cache: the caller holds the engine and resets it. `stop`: as `calibrate`."""
         if self.exact is None:
             from edgespec.calibration import exact_batch
 
-            self.exact = exact_batch(self.target, note=note)
+            self.exact = exact_batch(self._timed(stop), note=note)
             self.target.truncate(0)
 
-    def calibrate(self, drafter: Drafter | None, note: Note = None) -> None:
+    def calibrate(self, drafter: Drafter | None, note: Note = None, stop: threading.Event | None = None) -> None:
         """Load (or time, and cache per model) T(k) in ≤ 2 s, what each cached token adds in ~2–3 s,
         and `drafter`'s cost prior (a draft model times its own T(1), a feature head its chain step
-        or block; n-gram is free). Uses the target's KV cache, as `measure_exact_batch`."""
+        or block; n-gram is free). Uses the target's KV cache, as `measure_exact_batch`. `stop`: an
+        idle run (schedule.first_use) raises Interrupted within one forward once it is set; what
+        was measured by then is kept (cached), and nothing half-measured is taken as known."""
         from edgespec.calibration import calibrate, context_cost
+        from edgespec.schedule.first_use import Interrupted
 
-        self.measure_exact_batch(note)
+        self.measure_exact_batch(note, stop)
         if self.t_forward is None:  # timed in the forwards verification makes (Engine._verify_pass)
-            self.t_forward = calibrate(self.target, note=note, chunk=self.chunk)
-            self.ctx_ms = context_cost(self.target, chunk=self.chunk, note=note)
+            target = self._timed(stop)
+            t_forward = calibrate(target, note=note, chunk=self.chunk)
+            ctx_ms = context_cost(target, chunk=self.chunk, note=note)
             self.target.truncate(0)
+            self.t_forward, self.ctx_ms = t_forward, ctx_ms
         for d in members(drafter):  # a chain is priced member by member
             if d not in self.draft_cost:
+                if stop is not None and stop.is_set():
+                    raise Interrupted
                 self.draft_cost[d] = d.cost_prior(note=note)
+
+    def unknown(self) -> bool:
+        """Whether the target's costs are neither known here nor cached on this machine: its next
+        auto generation then decodes plainly and learns them (schedule.first_use)."""
+        from edgespec.schedule.first_use import needs_learning
+
+        return self.t_forward is None and needs_learning(self.target)
+
+    def _timed(self, stop: threading.Event | None) -> Backend:
+        """The target as calibration times it: stopped by `stop` within one forward (when given)."""
+        if stop is None:
+            return self.target
+        from edgespec.schedule.first_use import Interruptible
+
+        return Interruptible(self.target, stop)  # type: ignore[return-value]
 
     @property
     def costs(self) -> CostProfile | None:
