@@ -157,8 +157,20 @@ def generate(
             ui.interrupted()
         if engine.last_stats is not None:
             ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts), verbose=opts.verbose)
+        _finish_timing(engine)
     if reason == "cancelled":
         raise typer.Exit(130)
+
+
+def _finish_timing(engine: Any) -> None:
+    """After a one-shot reply from a target without a cost profile: let its idle timing finish (the
+    reply is out; Ctrl-C skips it), so the next run on this machine can speculate."""
+    if engine.timing:
+        ui.status("timing the target for the scheduler (once per model, a few seconds; Ctrl-C skips)")
+        try:
+            engine.wait_priced()
+        except KeyboardInterrupt:
+            ui.end_text()
 
 
 _CHAT_HELP = (("/reset", "forget the conversation"), ("/stats", "totals for this session"),
@@ -182,6 +194,7 @@ def chat(
     with opts.load() as engine:
         ui.status(f"chatting with {engine.target.path} (drafter: {_drafter_name(engine)}); "
                   "/help for commands, Ctrl-D to quit")
+        engine.calibrate(background=True)  # an unprofiled target is timed while the user types (stopped by a reply)
         start = [{"role": "system", "content": system}] if system else []
         history, totals = list(start), Stats()
         while True:
@@ -275,7 +288,7 @@ def demo(
         raise EdgespecError("demo compares speculative with plain decoding: it needs a drafter "
                             "(drop --no-spec / --drafter none)")
     messages = [{"role": "user", "content": DEMO_PROMPT}]
-    with opts.load() as engine:
+    with opts.load(learn=False) as engine:  # a comparison needs the costs: priced at load
         ui.status(f"target {engine.target.path} · drafter {_drafter_name(engine)} · γ {opts.num_draft} · "
                   f"{'greedy' if opts.temp == 0 else f'temperature {opts.temp}'}")
         first, *rest = DEMO_PROMPT.strip().splitlines()

@@ -58,15 +58,18 @@ class RunOptions:
             if value is not None and value < low:
                 raise EdgespecError(f"{flag} must be >= {low} (got {value})")
 
-    def load(self) -> Engine:
-        """The Engine for these options (no drafter with --no-spec or --drafter none)."""
+    def load(self, price: bool = True, learn: bool = True) -> Engine:
+        """The Engine for these options (no drafter with --no-spec or --drafter none), priced at load
+        (`price`), except a target with no cached cost profile when `learn`: its first reply learns
+        its costs instead (session.price_engine)."""
         from edgespec.cli import ui
         from edgespec.session import load
 
         self.check()
         drafter = None if self.no_spec else self.drafter
-        return load(self.target, drafter, backend=self.backend, num_draft=self.gamma, note=ui.status, price=True,
-                    n_ctx=self.ctx, threads=self.threads, n_gpu_layers=self.gpu_layers, verbose=self.verbose)
+        return load(self.target, drafter, backend=self.backend, num_draft=self.gamma, note=ui.status, price=price,
+                    learn=learn, n_ctx=self.ctx, threads=self.threads, n_gpu_layers=self.gpu_layers,
+                    verbose=self.verbose)
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Engine.stream / stream_chat."""

@@ -52,6 +52,6 @@ def serve(
     import_uvicorn()  # before the model loads: a missing extra is one line, at once
     defaults = Defaults(max_tokens=opts.max_tokens, temperature=opts.temp, top_k=opts.top_k, top_p=opts.top_p,
                         min_p=opts.min_p, seed=opts.seed, num_draft=opts.gamma)
-    with opts.load() as engine:
+    with opts.load(price=False) as engine:  # priced (or left to learn) by run_server
         run_server(engine=engine, host=host, port=port, api_key=api_key or None, queue=queue, history=history,
                    defaults=defaults, access_log=opts.verbose)

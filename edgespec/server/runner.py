@@ -160,7 +160,8 @@ def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | 
         history: "auto" (default), "off", "session" or "global" (see `Server`).
         defaults: sampling values for requests that omit them (edgespec.server.Defaults).
         engine: an Engine already loaded (left open); otherwise one is loaded and closed at the end.
-            Either is priced before the first request.
+            Either is priced before the first request; a target with no cached cost profile is timed
+            while the server is idle instead, and decodes plainly until then (schedule.first_use).
         access_log: log every request.
         **load_options: for `edgespec.load` (backend, n_ctx, threads, n_gpu_layers, num_draft, verbose).
     """
@@ -174,11 +175,14 @@ def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | 
     own = engine is None
     engine = load(target, drafter, **load_options) if engine is None else engine
     try:
-        price_engine(engine, note=log.info)  # before the first request, not during it (cached per model)
+        # a cached profile: priced before the first request, not during it; none: learned from the first
+        # requests and timed while idle (from now until the first request comes), never before a reply
+        price_engine(engine, note=log.info, learn=True)
         server = Server(engine, host=host, port=port, api_key=api_key, queue=queue, history=history,
                         defaults=defaults, access_log=access_log)
         log.info("serving %s at http://%s:%d/v1 (drafter: %s, history: %s)", server.model, host, port,
                  "none" if engine.drafter is None else engine.drafter.name, server.history)
+        engine.calibrate(background=True)
         server.run()
     finally:
         if own:
