@@ -174,16 +174,20 @@ def load(target: Spec | None = None, drafter: Spec | None = "ngram", *, backend:
     return engine
 
 
-def price_engine(engine: Engine, note: Callable[[str], None] | None = None, learn: bool = False) -> None:
+def price_engine(engine: Engine, note: Callable[[str], None] | None = None, learn: bool = False,
+                 background: bool = False) -> None:
     """Price an engine now, not at its first auto generation: only when num_draft is "auto" and it has
     a drafter (cached per model; `note` hears of timing). `load(price=True)` and `serve` call it.
     `learn`: a target with no cached cost profile is not timed now: `note` hears one line, and its
-    first auto reply decodes plainly while its costs are learned (edgespec.schedule.first_use)."""
+    first auto reply decodes plainly while its costs are learned (edgespec.schedule.first_use);
+    `background`: timed from now on while the engine is idle, too (`Engine.calibrate`)."""
     if engine.num_draft != "auto" or engine.drafter is None:
         return
     if learn and engine.pricing.unknown():
         if note:
             note(f"no cost profile for {Path(engine.target.path).name} on this machine yet: replies decode "
                  "plainly until its costs are learned, from the first reply and while idle (once per model)")
+        if background:
+            engine.calibrate(background=True)
         return
     engine.calibrate(note=note)

@@ -177,12 +177,11 @@ def serve(target: str | os.PathLike | None = None, drafter: str | os.PathLike | 
     try:
         # a cached profile: priced before the first request, not during it; none: learned from the first
         # requests and timed while idle (from now until the first request comes), never before a reply
-        price_engine(engine, note=log.info, learn=True)
+        price_engine(engine, note=log.info, learn=True, background=True)
         server = Server(engine, host=host, port=port, api_key=api_key, queue=queue, history=history,
                         defaults=defaults, access_log=access_log)
         log.info("serving %s at http://%s:%d/v1 (drafter: %s, history: %s)", server.model, host, port,
                  "none" if engine.drafter is None else engine.drafter.name, server.history)
-        engine.calibrate(background=True)
         server.run()
     finally:
         if own:
