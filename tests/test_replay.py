@@ -30,6 +30,9 @@ class Dev:
         "mtp": (0.0, 0.1), "assistant": (0.0, 0.3)})
     ctx_us: float = 0.0
 
+    def read_ms(self, kind: str) -> float:
+        return 0.1 * self.draft[kind][1] * self.t_ms[1]
+
     def draft_ms(self, kind: str, gamma: int) -> float:
         fixed, per_token = self.draft[kind]
         return (fixed + per_token * gamma) * self.t_ms[1] if gamma > 0 else 0.0
@@ -120,11 +123,13 @@ def test_fixed_gamma_time_by_hand_on_three_cycles():
     c = simulate.Costs(dev, "model")
     res = simulate.run_controller(simulate.prepare(tr, 0.0), c, pol.Fixed(3))
     # cycle 1 at p=0: 3 drafted, 2 right -> emits 3; p=3: draft [13] (1 offered), right -> emits 2;
-    # p=5: draft [15], right, but only 1 token left after p=5's own -> emits 2; done (7 tokens)
+    # p=5: draft [15], right, but only 1 token left after p=5's own -> emits 2; done (7 tokens); after the
+    # first draft, every accepted token is already in the drafter's cache: nothing more to read
     ctx = 0.01  # ms per query token and cached token beyond 64
     t = lambda k, c0: T[k] + k * ctx * (c0 - 64)  # noqa: E731
     draft = lambda g: 0.5 + 0.2 * g  # noqa: E731  (T(1) = 1)
-    want = (draft(3) + t(4, 99)) + (draft(1) + t(2, 102)) + (draft(1) + t(2, 104))
+    read = 99 * 0.1 * 0.2  # the first draft reads the 99 prompt tokens before the pending one (0.1 of a drafted token each)
+    want = (read + draft(3) + t(4, 99)) + (draft(1) + t(2, 102)) + (draft(1) + t(2, 104))
     assert res.ms == pytest.approx(want)
     assert res.cycles == 3 and res.tokens == 7
     assert res.plain_ms == pytest.approx(sum(t(1, 99 + p) for p in range(7)))
@@ -184,14 +189,19 @@ def test_trace_drafter_honours_stop_and_the_position():
     tr = trace("d", out, [out[p:p + 6] for p in range(20)], prompt_len=5,
                confidence=[[0.9, 0.8, 0.2, 0.9, 0.9, 0.9] for _ in range(20)], support=[3] * 20)
     ts = trace_set([tr], kind="model")
-    d = simulate.TraceDrafter(ts, simulate.Costs(Dev(), "model"))
-    d.trace = tr
+    clock = simulate.Clock()
+    d = simulate.TraceDrafter(ts, simulate.Costs(Dev(), "model"), clock)
+    d.new_task(tr)
     got = d.draft([0] * 5 + out[:4], 6, SamplingParams(), None, stop=lambda conf: conf[-1] < 0.5)
-    assert got.tokens == [4, 5] and got.confidence == [0.9, 0.8] and got.support == 3 and d.computed == 2
+    assert got.tokens == [4, 5] and got.confidence == [0.9, 0.8] and got.support == 3
+    # 2 tokens drafted (0.3 ms each) after reading the 8 context tokens before the last (0.03 ms each)
+    assert got.synced == 8 and clock.now * 1000 == pytest.approx(2 * 0.3 + 8 * 0.03)
+    again = d.draft([0] * 5 + out[:6], 2, SamplingParams(), None)  # both drafts accepted: nothing to read
+    assert again.synced == 0 and again.tokens == [6, 7]
     assert d.draft([0] * 5, 3, SamplingParams(), None).tokens == [0, 1, 2]
     prior = d.cost_prior()
     assert prior is not None and prior.per_token_ms == pytest.approx(0.3) and not prior.block
-    assert simulate.TraceDrafter(trace_set([tr]), simulate.Costs(Dev(), "ngram")).cost_prior() is None
+    assert simulate.TraceDrafter(trace_set([tr]), simulate.Costs(Dev(), "ngram"), clock).cost_prior() is None
 
 
 def test_controllers_follow_their_sources():

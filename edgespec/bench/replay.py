@@ -103,7 +103,7 @@ def set_name(ts: TraceSet) -> str:
 
 def load_sets(path: str | Path) -> list[TraceSet]:
     path = Path(path)
-    files = sorted(path.glob("*.json.gz")) if path.is_dir() else [path] if path.exists() else []
+    files = sorted(path.rglob("*.json.gz")) if path.is_dir() else [path] if path.exists() else []
     return [TraceSet.load(f) for f in files]
 
 

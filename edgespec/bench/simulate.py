@@ -14,6 +14,7 @@ whose mean for a copying drafter (one-hot q) is p(x̃), the credit the engine's 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from edgespec.bench.trace import Trace, TraceSet
 from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
+from edgespec.schedule import chain as chain_mod
+from edgespec.schedule import scheduler as scheduler_mod
 from edgespec.schedule.costs import K_MAX
 
 BASE_CONTEXT = 64  # the context T(k) is profiled after (edgespec.calibration.CONTEXT_TOKENS)
@@ -36,6 +39,7 @@ class Costs:
         self.device, self.kind = device, kind
         self.t = list(device.t_ms)
         self.ctx_ms = device.ctx_us / 1000.0
+        self.read_ms = device.read_ms(kind) if kind not in pol.COPYING else 0.0  # per context token caught up
 
     def verify(self, k: int, context: int) -> float:
         return self.t[k] + k * self.ctx_ms * max(0, context - BASE_CONTEXT)
@@ -47,7 +51,7 @@ class Costs:
         fixed, per_token = (x * self.t[1] for x in self.device.draft[self.kind])
         if fixed <= 0 and per_token <= 0:
             return None
-        return DraftCost(fixed, per_token, block=per_token <= 0)
+        return DraftCost(fixed, per_token, block=per_token <= 0, catch_up_ms=self.read_ms)
 
     def model(self) -> CostModel:
         """The scheduler's starting cost model, as the engine's Pricing builds it."""
@@ -110,24 +114,30 @@ def _limit(trace: Trace, p: int) -> int:
 
 
 def run_controller(task: Task, c: Costs, ctrl: pol.Controller) -> Result:
-    """One task under a draft-length controller (fixed γ, an engine's heuristic)."""
+    """One task under a draft-length controller (fixed γ, an engine's heuristic). A stateful drafter
+    pays, when it drafts, for reading the context it has not seen (the prompt first), as in run_auto."""
     tr, ms, cycles, p = task.trace, 0.0, 0, 0
     n, ctx0 = len(tr.output), tr.prompt_len - 1
+    seen = 0  # context tokens the drafter holds
     ctrl.start()
-    if type(ctrl) is pol.Fixed:  # the fast path: no confidences, no feedback
-        while p < n:
-            g = min(ctrl.gamma, _limit(tr, p), task.offer[p])
-            ms, cycles, p = ms + c.draft(g) + c.verify(g + 1, ctx0 + p), cycles + 1, p + min(g, task.run[p]) + 1
-        return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
+    fixed = type(ctrl) is pol.Fixed  # no confidences, no feedback
     while p < n:
         limit = _limit(tr, p)
-        k = min(ctrl.ask(limit), limit, task.offer[p]) if limit else 0
-        conf = tr.confidence[p][:k] if tr.confidence is not None and tr.confidence[p] is not None else None
-        computed, g = ctrl.keep(conf, k) if k else (0, 0)
+        if fixed:
+            k = min(ctrl.gamma, limit, task.offer[p])
+            computed, g, conf = k, k, None
+        else:
+            k = min(ctrl.ask(limit), limit, task.offer[p]) if limit else 0
+            conf = tr.confidence[p][:k] if tr.confidence is not None and tr.confidence[p] is not None else None
+            computed, g = ctrl.keep(conf, k) if k else (0, 0)
         acc = min(g, task.run[p])
         t_draft = c.draft(computed)
+        if computed:
+            t_draft += max(0, ctx0 + p - seen) * c.read_ms
+            seen = ctx0 + p + 1 + acc
         cycle = t_draft + c.verify(g + 1, ctx0 + p)
-        ctrl.feedback(g, acc, cycle, t_draft)
+        if not fixed:
+            ctrl.feedback(g, acc, cycle, t_draft)
         ms, cycles, p = ms + cycle, cycles + 1, p + acc + 1
     return Result(tr.task, tr.category, ms, plain_ms(task, c), n, cycles)
 
@@ -135,7 +145,8 @@ def run_controller(task: Task, c: Costs, ctrl: pol.Controller) -> Result:
 def oracle(tasks: list[Task], costs: list[Costs]) -> Result:
     """The least time knowing the output: a dynamic program over positions choosing, at each, the
     member (a chain: any of `tasks`, one per member, same output) and γ; at T > 0 it minimises the
-    expected time over the accept[] Bernoulli model."""
+    expected time over the accept[] Bernoulli model. A stateful drafter's reading of the prompt is paid
+    once if any draft is made (its catching up after plain steps is not: a ceiling, a little high)."""
     tr = tasks[0].trace
     n, ctx0 = len(tr.output), tr.prompt_len - 1
     best, cyc = [0.0] * (n + 1), [0.0] * (n + 1)
@@ -160,19 +171,36 @@ def oracle(tasks: list[Task], costs: list[Costs]) -> Result:
                 if v < b:
                     b, bc = v, 1 + pre_c + s * cyc[nxt]
         best[p], cyc[p] = b, bc
-    return Result(tr.task, tr.category, best[0], plain_ms(tasks[0], costs[0]), n, cyc[0])
+    plain = plain_ms(tasks[0], costs[0])
+    ms = min(plain, best[0] + ctx0 * min(c.read_ms for c in costs))
+    return Result(tr.task, tr.category, ms, plain, n, cyc[0] if ms < plain else n)
+
+
+class Clock:
+    """Modeled time for the scheduling code (`time.perf_counter`): drafting advances it by the device's
+    cost, so a chain scheduler's own timing of its members is the model's, as on a machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
 class TraceDrafter:
-    """A Drafter that proposes what a trace recorded at the position the context has reached."""
+    """A Drafter that proposes what a trace recorded at the position the context has reached, and
+    spends the device's modeled time on the clock: its draft (a block: every row asked for) and, for
+    a stateful drafter (a draft model, a head), reading the context tokens it has not seen
+    (`Draft.synced`: its cache holds what it read and drafted; what was accepted of that stays)."""
 
     paths: tuple[str, ...] = ()
 
-    def __init__(self, traces: TraceSet, costs: Costs) -> None:
-        self.name, self.set, self.costs = traces.drafter, traces, costs
+    def __init__(self, traces: TraceSet, costs: Costs, clock: Clock) -> None:
+        self.name, self.set, self.costs, self.clock = traces.drafter, traces, costs, clock
         self.sampled_q = traces.temperature > 0 and traces.kind not in pol.COPYING
+        self.stateful = traces.kind not in pol.COPYING
         self.trace: Trace | None = None
-        self.computed = 0  # tokens drafted since `computed` was last zeroed (a block: rows asked)
+        self._base, self._held = 0, []  # its cache: the context's first _base tokens, then its last draft
 
     def draft(self, context, gamma, params, rng, stop=None) -> Draft:
         tr = self.trace
@@ -183,10 +211,22 @@ class TraceDrafter:
         if stop is not None and conf is not None:
             n = next((i for i in range(len(tokens)) if stop(conf[:i + 1])), len(tokens))
             tokens, conf = tokens[:n], conf[:n]
-        self.computed += gamma if tokens and self.costs.device.draft[self.set.kind][1] <= 0 else len(tokens)
+        computed = gamma if tokens and self.costs.device.draft[self.set.kind][1] <= 0 else len(tokens)
+        synced = 0
+        if self.stateful:
+            keep = self._base
+            while keep - self._base < len(self._held) and keep < len(context) - 1 \
+                    and context[keep] == self._held[keep - self._base]:
+                keep += 1
+            synced = max(0, len(context) - 1 - keep)  # the last token is fed with the draft anyway
+            self._base, self._held = len(context), list(tokens)
+        self.clock.now += (self.costs.draft(computed) + synced * self.costs.read_ms) / 1000
         q = np.zeros((len(tokens), 1)) if self.sampled_q and tokens else None  # sampled: not cut afterwards
         support = tr.support[p] if tr.support is not None else None
-        return Draft(list(tokens), q, None if conf is None else list(conf), support=support)
+        return Draft(list(tokens), q, None if conf is None else list(conf), synced=synced, support=support)
+
+    def new_task(self, trace: Trace) -> None:
+        self.trace, self._base, self._held = trace, 0, []
 
     def cost_prior(self, note=None) -> DraftCost | None:
         return self.costs.prior()
@@ -198,36 +238,53 @@ class TraceDrafter:
         pass
 
 
+@contextlib.contextmanager
+def modeled_time(clock: Clock):
+    """The scheduling modules read `clock` as their time.perf_counter."""
+    mods = (scheduler_mod, chain_mod)
+    saved = [m.time for m in mods]
+    try:
+        for m in mods:
+            m.time = clock
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.time = t
+
+
 def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Result]:
-    """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`."""
+    """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`, as the
+    engine's loop runs it (Engine._cycle), on modeled time."""
+    clock = Clock()
     costs = [Costs(device, ts.kind) for ts, _ in members]
-    drafters = [TraceDrafter(ts, c) for (ts, _), c in zip(members, costs)]
+    drafters = [TraceDrafter(ts, c, clock) for (ts, _), c in zip(members, costs)]
     scheds = [Scheduler(c.model()) for c in costs]
     chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
     sched: Any = chain or scheds[0]
     temp = members[0][0].temperature
     params, rng = SamplingParams(temperature=temp), np.random.default_rng(0)
     out = []
-    for i, task in enumerate(members[0][1]):
-        tr = task.trace
-        n, ctx0, ms, cycles, p = len(tr.output), tr.prompt_len - 1, 0.0, 0, 0
-        for d, (_, tasks) in zip(drafters, members):
-            d.trace = tasks[i].trace
-        sched.new_generation(tr.prompt_len, tr.max_tokens)
-        context = [0] * tr.prompt_len + tr.output  # a drafter reads only its length here
-        while p < n:
-            limit = _limit(tr, p)
-            for d in drafters:
-                d.computed = 0
-            d_, dec = sched.draft(None if chain else drafters[0], context[:tr.prompt_len + p], limit, params, rng) \
-                if limit else (Draft([]), None)
-            g = len(d_.tokens)
-            who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
-            acc = min(g, members[who][1][i].run[p])
-            t_draft = sum(c.draft(d.computed) for c, d in zip(costs, drafters))
-            t_verify = costs[0].verify(g + 1, ctx0 + p)
-            sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
-            sched.emitted(tr.output[p:p + acc + 1], None)
-            ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
-        out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
+    with modeled_time(clock):
+        for i, task in enumerate(members[0][1]):
+            tr = task.trace
+            n, ctx0, ms, cycles, p = len(tr.output), tr.prompt_len - 1, 0.0, 0, 0
+            for d, (_, tasks) in zip(drafters, members):
+                d.new_task(tasks[i].trace)
+            sched.new_generation(tr.prompt_len, tr.max_tokens)
+            context = [0] * tr.prompt_len + tr.output  # the prompt's tokens are never compared
+            while p < n:
+                limit = _limit(tr, p)
+                t0 = clock.now
+                d_, dec = sched.draft(None if chain else drafters[0], context[:tr.prompt_len + p], limit, params,
+                                      rng) if limit else (Draft([]), None)
+                t_draft = (clock.now - t0) * 1000
+                g = len(d_.tokens)
+                who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
+                acc = min(g, members[who][1][i].run[p])
+                t_verify = costs[0].verify(g + 1, ctx0 + p)
+                clock.now += t_verify / 1000
+                sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
+                sched.emitted(tr.output[p:p + acc + 1], None)
+                ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
+            out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 
 K_MAX = 32
 KINDS = ("ngram", "history", "model", "head", "mtp", "assistant")
+READ_SHARE = 0.1  # an assumption where a profile gives no read cost (docs/devices.md)
 _HERE = Path(__file__).parent
 
 
@@ -26,6 +27,9 @@ class Device:
     t_ms: tuple[float, ...]  # index 0 unused (0.0), then T(1)..T(32) in ms
     draft: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (fixed, per token), × T(1)
     ctx_us: float = 0.0  # attention: µs per query token per cached token
+    # kind -> × T(1) per context token a stateful drafter (a draft model, a head) reads when it catches
+    # up on what it did not draft (a prompt, tokens another drafter proposed); absent: see read_ms
+    read: dict[str, float] = field(default_factory=dict)
     interpolated: tuple[int, ...] = ()  # k filled in by the loader, not given by the profile
     sources: tuple[str, ...] = ()
 
@@ -42,6 +46,14 @@ class Device:
             return 0.0
         fixed, per_token = self.draft[kind]
         return (fixed + gamma * per_token) * self.t_ms[1]
+
+    def read_ms(self, kind: str) -> float:
+        """ms per context token a drafter of `kind` reads in a batch: the profile's `read`, else a tenth
+        of its drafted token (READ_SHARE: a batched read per token against a decode step; a copying
+        drafter reads nothing)."""
+        if kind in self.read:
+            return self.read[kind] * self.t_ms[1]
+        return READ_SHARE * self.draft.get(kind, (0.0, 0.0))[1] * self.t_ms[1]
 
 
 def bundled() -> list[str]:
@@ -80,13 +92,17 @@ def load_device(name_or_path: str | Path) -> Device:
         raise ValueError(f"{path}: draft must map a drafter kind to [fixed, per_token]") from None
     if any(c < 0 for pair in draft.values() for c in pair):
         raise ValueError(f"{path}: draft costs must be ≥ 0")
+    try:
+        read = {str(kind): float(v) for kind, v in (data.get("read") or {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"{path}: read must map a drafter kind to a fraction of T(1)") from None
     sources = data.get("sources") or []
     if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
         raise ValueError(f"{path}: sources must be a list of strings")
     t, filled = _fill(measured)
     return Device(name=str(data.get("name") or path.stem), description=str(data.get("description", "")),
-                  t_ms=t, draft=draft, ctx_us=float(data.get("ctx_us") or 0.0), interpolated=filled,
-                  sources=tuple(sources))
+                  t_ms=t, draft=draft, ctx_us=float(data.get("ctx_us") or 0.0), read=read,
+                  interpolated=filled, sources=tuple(sources))
 
 
 def from_profile(path: str | Path) -> Device:
