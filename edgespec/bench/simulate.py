@@ -153,7 +153,7 @@ def oracle(tasks: list[Task], costs: list[Costs]) -> Result:
     for p in range(n - 1, -1, -1):
         b, bc = costs[0].verify(1, ctx0 + p) + best[p + 1], 1 + cyc[p + 1]  # a plain step
         for task, c in zip(tasks, costs):
-            most = min(task.offer[p], _limit(tr, p))
+            most = min(task.offer[p], _limit(tr, p), n - p - 1)
             if task.accept is None:
                 for g in range(1, most + 1):
                     nxt = p + min(g, task.run[p]) + 1
