@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.edgespec-installed
 
-.PHONY: install models converter demo test test-fast replay lint bench bench-history bench-chain anchor results heads clean
+.PHONY: install models converter demo test test-fast replay replay-shortfalls lint bench bench-history bench-chain anchor results heads clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ test-fast: install
 # Other traces or devices: make replay TRACES=DIR DEVICE=NAME|FILE
 replay: install
 	$(BIN)/python -m edgespec.bench.replay --traces $(or $(TRACES),tests/fixtures/traces) --device $(or $(DEVICE),all)
+
+# Where -k auto misses the gate's bounds on the frozen traces, written to the list tests/test_replay_gate.py
+# holds the scheduler to (run after a scheduler change that removes misses; the list only shrinks)
+replay-shortfalls: install
+	$(BIN)/python -m edgespec.bench.replay --device all --shortfalls tests/fixtures/traces/shortfalls.json > /dev/null
 
 # The default benchmark matrix (~45 min here for the Q4 pairs; the F32 and Spec-Bench pairs add ~50 min): per pair, 2 tasks per category, greedy and T=0.7,
 # each speculative run alternating with a plain run; -k auto (the scheduler) beside a sweep of
