@@ -40,6 +40,7 @@ from edgespec.verify import accept_greedy, verify_stochastic
 
 log = logging.getLogger("edgespec")
 IDLE_STOP_S = 60.0  # most a generation waits for an idle timing run to stop (one forward, a drafter's prior)
+LEARN_REPLIES = 2  # auto replies an unprofiled target decodes plainly; later ones wait for its idle timing
 
 
 class Scheduling(Protocol):
@@ -76,7 +77,9 @@ class Engine(Generating):
         self._guard = threading.Lock()  # who holds `_busy`: `_idle` is set while an idle timing run does
         self._idle: threading.Event | None = None  # set it to stop the idle timing run
         self._idle_thread: threading.Thread | None = None
+        self._abandon = threading.Event()  # closing: an idle run does not even put the cache back
         self._steps: StepLog | None = None  # an unprofiled target's first reply: its plain steps, timed
+        self._learning = 0  # auto replies decoded plainly so far to learn the target's costs
         self.idle_error: BaseException | None = None  # what stopped the latest idle timing run, if it failed
 
     # -- public API -------------------------------------------------------------------------------
@@ -119,11 +122,17 @@ class Engine(Generating):
         if not speculative or self.drafter is None:
             gamma = 0
         # the lock comes before anything that touches the target: calibration resets its KV cache
-        self._lock()
+        # generations stop an idle timing run, until LEARN_REPLIES were plain: then they wait for it
+        # (back-to-back requests would stop every one, and never speculate)
+        patient = self._learning >= LEARN_REPLIES
+        self._lock(stop_idle=not patient)
         learn = None
         try:
-            if gamma == "auto" and scheduler is None and self.pricing.unknown():
+            if gamma == "auto" and scheduler is None and not patient and self.pricing.unknown():
                 gamma, learn = 0, StepLog()  # no cost profile: decode plainly, time the steps (first_use)
+            elif patient and gamma == "auto" and self.pricing.unknown():  # the idle run was cut short
+                self._kv = time_idle(self.pricing, self.drafter, self._kv, threading.Event(), None,
+                                     self._abandon)[0]  # timed now, the cache put back
             self._steps = learn
             if gamma != 0:  # pricing may time the target in its KV cache: the context is forgotten then
                 self.pricing.measure_exact_batch()
@@ -147,6 +156,7 @@ class Engine(Generating):
                 self.target.truncate(len(self._kv))  # drop whatever an interrupted cycle left behind
             finally:
                 if learn is not None and learn.steps:
+                    self._learning += 1
                     self._start_idle(learn)  # hands the held engine over to the idle timing run
                 else:
                     self._busy.release()
@@ -209,10 +219,12 @@ class Engine(Generating):
 
     def stop_timing(self) -> None:
         """Stop an idle timing run, if one is on, and wait for it (within one forward)."""
+        self._abandon.set()
         if (idle := self._idle) is not None:
             idle.set()
         if self._idle_thread is not None:
             self._idle_thread.join()
+        self._abandon.clear()
 
     def close(self) -> None:
         self.stop_timing()
@@ -226,15 +238,16 @@ class Engine(Generating):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _lock(self) -> None:
-        """Hold the engine: at once, or after stopping an idle timing run (within one forward)."""
+    def _lock(self, stop_idle: bool = True) -> None:
+        """Hold the engine: at once, or after an idle timing run, stopped (within one forward) or not."""
         with self._guard:
             if self._busy.acquire(blocking=False):
                 return
             idle = self._idle
         if idle is not None:
-            idle.set()
-            if self._busy.acquire(timeout=IDLE_STOP_S):
+            if stop_idle:
+                idle.set()
+            if self._busy.acquire(timeout=IDLE_STOP_S if stop_idle else -1):
                 return
         raise EngineBusyError("this engine is already generating; use one engine per concurrent stream")
 
@@ -250,7 +263,7 @@ class Engine(Generating):
     def _time_idle(self, stop: threading.Event, steps: StepLog | None) -> None:
         """The idle timing run (schedule.first_use.time_idle), then the engine is free again."""
         try:
-            self._kv, error = time_idle(self.pricing, self.drafter, self._kv, stop, steps)
+            self._kv, error = time_idle(self.pricing, self.drafter, self._kv, stop, steps, self._abandon)
             if error is not None:  # a backend fault: the next auto generation decodes plainly, tries again
                 self.idle_error = error
                 log.warning("timing the target while idle failed: %s: %s", type(error).__name__, error)

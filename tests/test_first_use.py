@@ -121,13 +121,27 @@ def test_the_next_generation_stops_the_idle_run_and_equals_plain(tiny_target, he
         assert started.wait(30) and engine.timing
         second = engine.generate(PROMPT, max_tokens=32)  # stops the idle run, does not wait for it
         assert second.stats.n_drafted == 0 and engine.pricing.unknown()  # still learning: plain again
-        assert second.stats.n_prompt_evaluated > 1  # the stopped run left the cache empty: read again
+        assert second.stats.n_prompt_evaluated == 1  # the stopped run put the prompt back in the cache
         release.set()
         assert engine.wait_priced(timeout=60)  # the run after the second reply finished the job
         third = engine.generate(PROMPT, max_tokens=32)
         plain = engine.generate(PROMPT, max_tokens=32, speculative=False)
     assert first.tokens == second.tokens == third.tokens == plain.tokens
     assert third.stats.n_drafted > 0
+
+
+def test_after_two_plain_replies_the_next_one_waits_for_the_idle_run(tiny_target, held):
+    """Back-to-back generations would stop every idle run and never speculate: after LEARN_REPLIES
+    plain replies the next waits for the run (here released 0.3 s after it starts waiting)."""
+    started, release = held
+    with _load(tiny_target) as engine:
+        outs = [engine.generate(PROMPT, max_tokens=32) for _ in range(2)]  # each stops the run before it
+        assert started.wait(30) and engine.timing and engine.pricing.unknown()
+        threading.Timer(0.3, release.set).start()
+        third = engine.generate(PROMPT, max_tokens=32)
+        plain = engine.generate(PROMPT, max_tokens=32, speculative=False)
+    assert [o.stats.n_drafted for o in outs] == [0, 0] and third.stats.n_drafted > 0
+    assert all(o.tokens == plain.tokens for o in [*outs, third])
 
 
 @pytest.mark.parametrize("how", ["cancel", "close", "reset"])

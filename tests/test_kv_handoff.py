@@ -127,6 +127,8 @@ def _greedy_with_handoff(target: Path, drafter: Path, gamma: int | str, monkeypa
     monkeypatch.setattr(KvHandoff, "copy", lambda self: copies.append(self.target.n_past) or real_copy(self))
     with edgespec.load(target, drafter=drafter, n_ctx=n_ctx, num_draft=gamma) as engine:
         assert engine.drafter.handoff is not None
+        if gamma == "auto":
+            engine.calibrate()  # priced now, not learned from a first plain reply (#48: test_first_use.py)
         rec = _Recorder(engine.target)
         for prompt in PROMPTS[:3]:
             engine.target = rec._b

@@ -121,14 +121,14 @@ class Interruptible:
         return self._backend.eval_argmax(tokens)
 
 
-def time_idle(pricing: Any, drafter: Any, kv: list[int], stop: threading.Event, steps: StepLog | None
-              ) -> tuple[list[int], Exception | None]:
+def time_idle(pricing: Any, drafter: Any, kv: list[int], stop: threading.Event, steps: StepLog | None,
+              abandon: threading.Event) -> tuple[list[int], Exception | None]:
     """An idle timing run on an engine held for it: keep what a first reply's `steps` measured, time
     what is still missing (`pricing.calibrate`, stopped within one forward by `stop`), then put the
     conversation `kv` (the tokens in the target's cache) back, so the next turn reuses its prefix as
-    if nothing had been timed. Returns (the tokens now in the cache, the error a failed run met).
-    A run stopped before the cache is back leaves what was restored by then (often nothing): the
-    next generation reads the rest of its prompt again, as after a `reset`."""
+    if nothing had been timed, also when `stop` cut the timing short (the generation that stopped it
+    waits for that read, which it would otherwise make itself). Only `abandon` (closing) skips it.
+    Returns (the tokens now in the cache, the error a failed run met)."""
     target, error = pricing.target, None
     try:
         if steps is not None:
@@ -142,7 +142,7 @@ def time_idle(pricing: Any, drafter: Any, kv: list[int], stop: threading.Event, 
         target.truncate(0)
         kept: list[int] = []
         for i in range(0, len(kv), RESTORE_CHUNK):
-            if stop.is_set():
+            if abandon.is_set():
                 break
             target.eval(kv[i:i + RESTORE_CHUNK], rows="none")
             kept.extend(kv[i:i + RESTORE_CHUNK])
