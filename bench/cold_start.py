@@ -7,7 +7,9 @@ Rounds run the four in turn; medians over rounds.
     .venv/bin/python bench/cold_start.py --target smollm2-f32 --drafter smollm2 [--rounds 3] [--task chat-01]
 
 Each run reports its load (opening the models: a draft model's KV handoff is settled there), price
-(timing the target and drafter: Engine.calibrate) and generation time. "÷ warm" is load + price +
+(what the CLI does at load: price_engine(learn=True), which times only a target whose profile is
+cached, #48), generation time, and idle (the timing an unprofiled target gets after its plain first
+reply, which the user does not wait for: not in the totals). "÷ warm" is load + price +
 generation over the same warm: what a first generation loses to calibration (issue #30's goal for a
 new drafter: ≤ 1.10); "vs plain" is plain's load + generation over it. The models come from the
 usual $EDGESPEC_HOME/models (linked into a temporary home); nothing is downloaded.
@@ -35,13 +37,15 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     engine = load(args.target, drafter, n_ctx=args.ctx, threads=args.threads)
     t1 = time.perf_counter()
-    price_engine(engine)
+    price_engine(engine, learn=True)
     t2 = time.perf_counter()
     gen = engine.chat(list(task.messages), max_tokens=args.max_tokens, temperature=args.temp, seed=1)
     t3 = time.perf_counter()
+    engine.wait_priced()  # the idle timing after an unprofiled target's first reply (the next run's profile)
+    idle = time.perf_counter() - t3
     prior = next(iter(engine.pricing.draft_cost.values()), None)
     engine.close()
-    print(json.dumps(dict(load=t1 - t0, price=t2 - t1, gen=t3 - t2, tokens=len(gen.tokens), tau=gen.stats.tau,
+    print(json.dumps(dict(load=t1 - t0, price=t2 - t1, gen=t3 - t2, idle=idle, tokens=len(gen.tokens), tau=gen.stats.tau,
                           text=gen.text, cycles=gen.stats.cycles[:12],
                           draft_ms=prior and [round(prior.fixed_ms, 1), round(prior.per_token_ms, 1)])))
 
@@ -87,7 +91,7 @@ def main() -> None:
                 res = run(args, home, drafter)
                 runs[kind].append(res)
                 print(f"round {r + 1} {kind:11s} load {res['load']:.2f} s  price {res['price']:.2f} s  "
-                      f"gen {res['gen']:.2f} s  ({res['tokens']} tokens, tau {res['tau']:.2f}; draft prior "
+                      f"gen {res['gen']:.2f} s  idle {res['idle']:.2f} s  ({res['tokens']} tokens, tau {res['tau']:.2f}; draft prior "
                       f"{res['draft_ms']} ms; first cycles {res['cycles']})", flush=True)
 
     def med(kind: str, key: str) -> float:
