@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     for dev, cells in results.items():
         if cells:
             print(table(dev, cells) + "\n")
-    print(summary(results, len(sets)))
     misses = shortfalls(results)
     print(f"gate: {len(misses)} shortfalls" + (f" (first: {next(iter(misses))})" if misses else ""))
+    print(summary(results, len(sets)))
     if args.shortfalls:
         Path(args.shortfalls).write_text(json.dumps({k: round(v, 4) for k, v in sorted(misses.items())}, indent=1) + "\n")
     return 0
