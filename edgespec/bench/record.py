@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.bench.provenance import commit, cpu_model
 from edgespec.bench.trace import Trace, TraceSet
 from edgespec.drafters.base import Draft, DraftCost, Drafter
 from edgespec.sampling import Dist, SamplingParams
@@ -177,29 +177,6 @@ def fit_cost(traces: Sequence[Trace], prior: DraftCost | None) -> tuple[float, f
     return (round(float(np.median([ms for _, ms in pairs])), 4) if pairs else 0.0), 0.0
 
 
-def machine() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the platform's description."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    """This checkout's short commit ("unknown" outside one)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
 def record(target: str, drafter: str, prompts: Sequence, temperature: float, longest: int | None = None,
            max_tokens: int | None = None, seed: int = 0, threads: int | None = None, n_ctx: int = 2048,
            note: Note | None = None) -> list[TraceSet]:
@@ -222,7 +199,7 @@ def record(target: str, drafter: str, prompts: Sequence, temperature: float, lon
             cost = engine.pricing.draft_cost.get(d)
             lengths[i] = min(lengths[i], cost.max_block or lengths[i]) if cost is not None else lengths[i]
         traced = record_tasks(engine, drafters, tasks, temperature, lengths, seed, chat, note)
-        today, at, sha = datetime.date.today().isoformat(), machine(), commit()
+        today, at, sha = datetime.date.today().isoformat(), cpu_model(), commit(Path(__file__).parent)
         sets = []
         for p, d, n, traces in zip(parts, drafters, lengths, traced):
             fixed, per_token = fit_cost(traces, engine.pricing.draft_cost.get(d))
