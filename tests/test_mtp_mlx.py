@@ -172,18 +172,23 @@ def _greedy_prompts(target) -> list[list[int]]:
             target.tokenize("1 2 3 4 5 6", add_special=False)]
 
 
+def _greedy_equals_plain(engine: Engine, target, num_draft: int | str) -> tuple[int, int]:
+    """Greedy spec == plain on every _greedy_prompts prompt at `num_draft`: (drafted, accepted) summed."""
+    accepted = drafted = 0
+    for prompt in _greedy_prompts(target):
+        plain = engine.generate(prompt, max_tokens=32, speculative=False)
+        spec = engine.generate(prompt, max_tokens=32, num_draft=num_draft)
+        assert spec.tokens == plain.tokens, prompt
+        drafted += spec.stats.n_drafted
+        accepted += spec.stats.n_accepted
+    return drafted, accepted
+
+
 def test_greedy_spec_equals_plain_with_mlx_mtp(fixture):
     _, _, d, _, _ = fixture
     target = MlxBackend(d)
     drafter = MlxMtpDrafter(target)
-    engine = Engine(target, drafter)
-    accepted = drafted = 0
-    for prompt in _greedy_prompts(target):
-        plain = engine.generate(prompt, max_tokens=32, speculative=False)
-        spec = engine.generate(prompt, max_tokens=32, num_draft=3)
-        assert spec.tokens == plain.tokens, prompt
-        drafted += spec.stats.n_drafted
-        accepted += spec.stats.n_accepted
+    drafted, accepted = _greedy_equals_plain(Engine(target, drafter), target, 3)
     print(f"MLX mtp γ 3: {accepted}/{drafted} draft tokens accepted")
     assert drafted > 0 and accepted > 0
     drafter.close()
@@ -204,13 +209,7 @@ def test_greedy_mlx_mtp_auto_equals_plain(qwen35_mtp_agreeing):  # noqa: F811
     pinned = pin_fastest_profile(target)
     drafter = MlxMtpDrafter(target)
     engine = Engine(target, drafter)
-    accepted = drafted = 0
-    for prompt in _greedy_prompts(target):
-        plain = engine.generate(prompt, max_tokens=32, speculative=False)
-        spec = engine.generate(prompt, max_tokens=32, num_draft="auto")
-        assert spec.tokens == plain.tokens, prompt
-        drafted += spec.stats.n_drafted
-        accepted += spec.stats.n_accepted
+    drafted, accepted = _greedy_equals_plain(engine, target, "auto")
     assert engine.pricing.t_forward == pinned
     pays = engine.pricing.scheduler(drafter, True).potential(EXPLORE_ACCEPTANCE)
     print(f"MLX mtp γ auto: {accepted}/{drafted} draft tokens accepted; T(1) {pinned[1]:.1f} ms, T(2) {pinned[2]:.1f}, "

@@ -57,8 +57,8 @@ def patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
             setattr(m, a, v)
 
 
-def auto_cells(sets: list, devices: list) -> dict[tuple[str, str, str], float]:
-    """{(device, trace set, category): -k auto's speedup over plain}, and the per-task results for the gate."""
+def auto_cells(sets: list, devices: list) -> tuple[dict[tuple[str, str, str], float], dict]:
+    """{(device, trace set, category): -k auto's speedup over plain}, and the results the gate reads."""
     cells, results = {}, {}
     for dev in devices:
         res: dict[str, dict[str, list]] = {}
@@ -68,8 +68,7 @@ def auto_cells(sets: list, devices: list) -> dict[tuple[str, str, str], float]:
                 res[replay.set_name(ts)] = {"auto": simulate.run_auto([(ts, tasks)], dev)}
         for ch in replay.chains_of(sets):
             if all(ts.kind in dev.draft for ts in ch):
-                name = f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"
-                res[name] = {"auto": replay.replay_chain(ch, dev)["auto"]}
+                res[replay.chain_name(ch)] = {"auto": replay.replay_chain(ch, dev)["auto"]}
         results[dev.name] = res
         for name, r in res.items():
             for cat, rs in replay.by_category(r["auto"]).items():

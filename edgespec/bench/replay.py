@@ -108,6 +108,10 @@ def load_sets(path: str | Path) -> list[TraceSet]:
     return [TraceSet.load(f) for f in files]
 
 
+def chain_name(chain: list[TraceSet]) -> str:
+    return f"{chain[0].target}:{','.join(ts.drafter for ts in chain)}:T{chain[0].temperature:g}"
+
+
 def chains_of(sets: list[TraceSet]) -> list[list[TraceSet]]:
     """Every (copying drafter, costly drafter) pair of one target and temperature."""
     out = []
@@ -132,8 +136,7 @@ def replay_all(sets: list[TraceSet], devices: list[Any]) -> dict[str, dict[str, 
         cells = {set_name(ts): replay_set(ts, dev) for ts in sets if ts.kind in dev.draft}
         for ch in chains_of(sets):
             if all(ts.kind in dev.draft for ts in ch) and (res := replay_chain(ch, dev))["auto"]:
-                name = f"{ch[0].target}:{','.join(ts.drafter for ts in ch)}:T{ch[0].temperature:g}"
-                cells[name] = res
+                cells[chain_name(ch)] = res
         out[getattr(dev, "name", str(dev))] = cells
     return out
 

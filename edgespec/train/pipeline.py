@@ -21,7 +21,6 @@ and evaluated.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dflash_gguf import read_dflash_gguf
+from edgespec.models import edgespec_home
 from edgespec.train import prompts as P
 from edgespec.train.curve import plot_curve, project
 from edgespec.train.data import local_corpus
@@ -202,8 +202,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         raise ValueError(f"--kind must be one of {', '.join(KINDS)} (got {job.kind!r})")
     device = resolve_device(job.device)  # before the extraction: an absent device fails in a second
     torch.manual_seed(job.seed)
-    home = Path(os.environ.get("EDGESPEC_HOME", Path.home() / ".cache" / "edgespec"))
-    work = job.work_dir or home / "train" / job.target.stem
+    work = job.work_dir or edgespec_home() / "train" / job.target.stem
     work.mkdir(parents=True, exist_ok=True)
     info = target_info(job.target)
     n_ctx = max(1024, 2 * job.seq_len)
