@@ -220,14 +220,15 @@ def test_a_member_learns_its_own_drafting_time_and_a_sunk_draft_is_not_held_agai
     costs = {k: t[k] for k in range(1, K_MAX + 1)}
     free, slow = _Fixed("free", [1, 2]), _Slow(0.02)
     s_free, s_slow = Scheduler(CostModel(costs)), Scheduler(CostModel(costs, draft_per_token_ms=3.0))
-    s_free.by_run = [Acceptance(prior=0.5, strength=1e9) for _ in range(6)]  # E[tokens] 1.75 for 2 drafts
+    s_free.acceptance = Acceptance(prior=0.5, strength=1e9)  # E[tokens] 1.75 for 2 drafts
     s_free.run, s_free._recent = 100, 1.0
+    s_slow.acceptance, s_slow._recent = Acceptance(prior=0.9, strength=1e9), 0.9
     chain = ChainScheduler([(free, s_free), (slow, s_slow)])
     for _ in range(3):
         t0 = time.perf_counter()
         d, dec = chain.draft(DrafterChain([free, slow]), [0, 1, 2], 8, GREEDY, np.random.default_rng(0))
         t_draft = time.perf_counter() - t0 - dec.seconds  # as the engine times it: the whole chain
-        # the slow member's plan (≈1.4 tokens at 3 ms a draft) beat the free proposal, so it drafted;
+        # the slow member's plan (≈3.4 tokens at 3 ms a draft) beat the free proposal, so it drafted;
         # its draft, cut by its low confidence, then verifies worse than the free one
         assert dec.member == "free" and d.tokens == [1, 2] and t_draft >= 0.02
         chain.observe(d, 2, t_draft, t[3] / 1000)
@@ -244,7 +245,7 @@ def test_a_member_judged_off_still_probes_where_no_free_member_proposes():
 
     def losing() -> Scheduler:
         s = Scheduler(CostModel(costs, draft_per_token_ms=3.0))
-        s.by_run = [Acceptance(prior=0.05, strength=1e9) for _ in range(6)]
+        s.acceptance = Acceptance(prior=0.05, strength=1e9)
         return s
 
     probes = {}
@@ -271,7 +272,7 @@ def test_a_chain_reads_a_new_prompt_into_its_model_only_if_that_beats_the_chain_
     for free_ms, drafts in ((None, True), (8.0, True), (3.0, False)):
         free, slow = _Fixed("free", []), _Slow(0.0)
         s_slow = Scheduler(CostModel(costs, draft_per_token_ms=1.0, catch_up_ms=0.5))
-        s_slow.by_run = [Acceptance(prior=0.9, strength=1e9) for _ in range(6)]
+        s_slow.acceptance = Acceptance(prior=0.9, strength=1e9)
         s_slow.run, s_slow._recent = 100, 0.9  # ~6 tokens per 21 ms cycle: 3.5 ms a token
         chain = ChainScheduler([(free, Scheduler(CostModel(costs))), (slow, s_slow)])
         chain.new_generation(200, 100)  # reading the prompt: 100 ms
@@ -306,10 +307,10 @@ def test_a_long_copy_after_a_miss_is_verified_without_asking_the_costly_member()
     for support, model_asked in ((16, False), (2, True)):
         free, slow = _Fixed("ngram", list(range(100, 115)), support=support), _Slow(0.0)
         s_free = Scheduler(CostModel(costs))
-        s_free.by_run = [Acceptance(prior=p, strength=1e9) for p in (0.3, 0.3, 0.3, 0.5, 0.7, 0.97)]
-        s_free.run, s_free._recent = 0, 0.7  # a miss just now
-        s_slow = Scheduler(CostModel(costs, draft_per_token_ms=4.0))
-        s_slow.by_run = [Acceptance(prior=0.97, strength=1e9) for _ in range(6)]
+        s_free.acceptance = Acceptance(prior=0.97, strength=1e9)
+        s_free.run, s_free._recent = 0, 0.97  # a miss just now
+        s_slow = Scheduler(CostModel(costs, draft_per_token_ms=0.2))
+        s_slow.acceptance = Acceptance(prior=0.97, strength=1e9)
         s_slow.run, s_slow._recent = 100, 0.97
         chain = ChainScheduler([(free, s_free), (slow, s_slow)])
         d, dec = chain.draft(DrafterChain([free, slow]), list(range(50)), K_MAX - 1, GREEDY,

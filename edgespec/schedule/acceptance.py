@@ -58,3 +58,30 @@ class Calibration:
             b = min(int(c * 10), 9)
             self.hits[b] = self.decay * self.hits[b] + (i < accepted)
             self.tries[b] = self.decay * self.tries[b] + 1
+
+
+class Shadows:
+    """Drafts that were not verified (a free drafter's, at plain steps), each scored against the
+    tokens the target emits as verification would have judged it. A draft leaves at its first miss or
+    its end, so at most K_MAX − 1 are live."""
+
+    def __init__(self) -> None:
+        self.live: list[tuple[list[int], int]] = []  # (draft, tokens of it matched so far)
+
+    def add(self, tokens: list[int]) -> None:
+        self.live.append((tokens, 0))
+
+    def score(self, tok: int, probs=None, seen=None) -> bool | None:
+        """Score every live draft's next token against the emitted `tok`, oldest first; `seen(i,
+        credit)` gets each judged position i with its credit: 1/0, or with `probs` (the target's
+        processed row) p(x̃), the chance verification accepts x̃. Returns whether the newest draft's
+        token was right (None: no live draft)."""
+        live, hit = [], None
+        for draft, i in self.live:
+            hit = tok == draft[i]
+            if seen is not None:
+                seen(i, float(probs[draft[i]]) if probs is not None else float(hit))
+            if hit and i + 1 < len(draft):
+                live.append((draft, i + 1))
+        self.live = live
+        return hit
