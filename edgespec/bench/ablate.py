@@ -28,7 +28,7 @@ VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
     "probes 4x (PROBE_SHARE 1)": [(scheduler, "PROBE_SHARE", 1.0)],
     "pessimistic prior (PRIOR 0.3)": [(scheduler, "PRIOR", 0.3)],
     "optimistic prior (PRIOR 0.7)": [(scheduler, "PRIOR", 0.7)],
-    "prior worth 4 positions (STRENGTH 4)": [(scheduler, "STRENGTH", 4.0)],
+    "prior worth 1 position (STRENGTH 1)": [(scheduler, "STRENGTH", 1.0)],
     "pair record worth 5 positions at most (PAIR_WEIGHT 5)": [(scheduler, "PAIR_WEIGHT", 5.0)],
     "recent rate = last outcome (RECENT 1)": [(scheduler, "RECENT", 1.0)],
     "no recent cap (RECENT 0)": [(scheduler, "RECENT", 0.0)],
