@@ -9,25 +9,27 @@ online (the first capped by a recent first-token hit rate), or of a drafter's ca
 for tokens it has drafted. Costs (edgespec.schedule.costs) start from the cost
 profile and the drafter's prior and follow the cycles timed.
 
-What the scheduler knows of a (target, drafter) pair is one estimate of its acceptance over every
-verified position, with its standard error: it starts from the pair's record (what earlier engines
-learned, kept on disk) or from PRIOR, and a costly drafter's per-position rates start from it in every
-generation. Long drafts are bet only on a run of right ones (SLOW_START). When no
-γ > 0 wins, plain steps run and learning goes on:
+What the scheduler knows of a (target, drafter) pair is a belief in its acceptance over every
+verified position, Beta(α, β): the pair's record (what earlier engines learned, kept on disk) or
+PRIOR, worth a few positions, plus every position judged since. A costly drafter's per-position rates
+start from its mean in every generation. Long drafts are bet only on a run of right ones
+(SLOW_START). When no γ > 0 wins, plain steps run and learning goes on:
 - a free drafter (n-gram, history: a whole draft under FREE_DRAFT of a step) drafts in shadow; each
   shadow draft is scored against what the target emits, as verification would have;
-- a costly drafter (a draft model, a head) is probed. The acceptance it may yet show (the estimate
-  plus OPTIMISM standard errors) gives the speedup g it might win; its probes may lose PROBE_SHARE ×
-  (g − 1) of the plain steps' time. Each verified position narrows the estimate, so a drafter that
-  cannot win stops being probed, and one that could keeps being tried in proportion to what it
-  could win.
+- a costly drafter (a draft model, a head) is probed. The speedup g(a) the cost model gives each
+  acceptance a, integrated over the belief, gives the gain speculation is expected to add; probes
+  may lose PROBE_SHARE × that gain of the plain steps' time. Each verified position narrows the
+  belief, so a drafter that cannot win stops being probed, and one that could keeps being tried in
+  proportion to what it could win. A pair never judged is tried at once.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -280,7 +282,7 @@ class Scheduler:
         a[0] = min(a[0], self._recent)
         if confidence is not None:  # sampled: a bin not yet seen starts from the position's rate
             a[:n] = [self.calibration(c, a[i] if self._sampled else None) for i, c in enumerate(confidence[:n])]
-        return list(np.cumprod(a))
+        return list(accumulate(a, operator.mul))
 
     def _cut(self, confidence: Sequence[float] | None, n: int, most: int, t_draft: Sequence[float],
              t_verify: Sequence[float], sunk: int) -> tuple[int, float]:
@@ -290,24 +292,28 @@ class Scheduler:
         return g, 1.0 + sum(s[:g])
 
     def _probe(self, limit: int, baseline_ms: float | None = None) -> int:
-        """A probe's γ, if its turn has come: once the plain steps since the last probe have run long
-        enough that its expected loss fits PROBE_SHARE × the speedup the pair is expected to add
-        (`expected_gain`; 0: no probes), the γ that wins at the acceptance it has if it wins."""
-        gain, hope = self.expected_gain()
+        """A probe's γ, if its turn has come: the γ that wins at the acceptance the pair has if it
+        wins, once the plain steps since the last probe have run long enough that its expected loss
+        fits PROBE_SHARE × the speedup the pair is expected to add (`expected_gain`; 0: no probes). A
+        pair never judged is tried at once, if that gain over the reply left repays its catch-up
+        (`baseline_ms`: the ms per token it must beat, as for plan)."""
+        t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
+        fresh = self.prior is None and not self.judged[1]
+        base = min(baseline_ms, t_verify[1]) if fresh and baseline_ms is not None else None
+        gain, hope = self.expected_gain(base)
         if gain <= 0:
             return 0
-        t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         g = max(1, best_gamma([hope ** i for i in range(1, self._cap(limit) + 1)], t_draft, t_verify,
                               self._rollback)[0])
-        s = self._survival(None, 0)
         catch_up = self.cost.t_catch_up(self._lag, self._context)
+        if fresh:
+            left = float("inf") if self._left is None else self._left
+            return g if catch_up <= gain * left * (t_verify[1] if base is None else base) else 0
+        s = self._survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(s, g, self._rollback)
                 - (1.0 + sum(s[:g])) * t_verify[1] + catch_up)
-        if self.prior is None and not self.judged[1]:  # a pair never judged is tried at once, if the
-            left = float("inf") if self._left is None else self._left  # reply left pays its catch-up
-            base = t_verify[1] if baseline_ms is None else min(baseline_ms, t_verify[1])
-            return g if catch_up <= self.expected_gain(base)[0] * left * base else 0
         return g if self._plain_ms * PROBE_SHARE * gain >= loss else 0
+
 
 def check_num_draft(value: int | str) -> int | str:
     """γ ≥ 0, or "auto"."""
