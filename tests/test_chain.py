@@ -220,9 +220,9 @@ def test_a_member_learns_its_own_drafting_time_and_a_sunk_draft_is_not_held_agai
     costs = {k: t[k] for k in range(1, K_MAX + 1)}
     free, slow = _Fixed("free", [1, 2]), _Slow(0.02)
     s_free, s_slow = Scheduler(CostModel(costs)), Scheduler(CostModel(costs, draft_per_token_ms=3.0))
-    s_free.acceptance = Acceptance(prior=0.5, strength=1e9)  # E[tokens] 1.75 for 2 drafts
-    s_free.run, s_free._recent = 100, 1.0
-    s_slow.acceptance, s_slow._recent = Acceptance(prior=0.9, strength=1e9), 0.9
+    s_free.learned.acceptance = Acceptance(prior=0.5, strength=1e9)  # E[tokens] 1.75 for 2 drafts
+    s_free.learned.run, s_free.learned.recent = 100, 1.0
+    s_slow.learned.acceptance, s_slow.learned.recent = Acceptance(prior=0.9, strength=1e9), 0.9
     chain = ChainScheduler([(free, s_free), (slow, s_slow)])
     for _ in range(3):
         t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def test_a_member_learns_its_own_drafting_time_and_a_sunk_draft_is_not_held_agai
         chain.observe(d, 2, t_draft, t[3] / 1000)
         chain.emitted([1, 2, 5])
     assert slow.calls == 3
-    assert s_free.free and s_free.cost.t_draft()[1] < 1.0  # the free member's cost is its own (µs), not 20 ms
+    assert s_free.cost.free and s_free.cost.t_draft()[1] < 1.0  # the free member's cost is its own (µs), not 20 ms
 
 
 def test_a_member_judged_off_still_probes_where_no_free_member_proposes():
@@ -245,7 +245,7 @@ def test_a_member_judged_off_still_probes_where_no_free_member_proposes():
 
     def losing() -> Scheduler:
         s = Scheduler(CostModel(costs, draft_per_token_ms=3.0))
-        s.acceptance = Acceptance(prior=0.05, strength=1e9)
+        s.learned.acceptance = Acceptance(prior=0.05, strength=1e9)
         return s
 
     probes = {}
@@ -272,8 +272,8 @@ def test_a_chain_reads_a_new_prompt_into_its_model_only_if_that_beats_the_chain_
     for free_ms, drafts in ((None, True), (8.0, True), (3.0, False)):
         free, slow = _Fixed("free", []), _Slow(0.0)
         s_slow = Scheduler(CostModel(costs, draft_per_token_ms=1.0, catch_up_ms=0.5))
-        s_slow.acceptance = Acceptance(prior=0.9, strength=1e9)
-        s_slow.run, s_slow._recent = 100, 0.9  # ~6 tokens per 21 ms cycle: 3.5 ms a token
+        s_slow.learned.acceptance = Acceptance(prior=0.9, strength=1e9)
+        s_slow.learned.run, s_slow.learned.recent = 100, 0.9  # ~6 tokens per 21 ms cycle: 3.5 ms a token
         chain = ChainScheduler([(free, Scheduler(CostModel(costs))), (slow, s_slow)])
         chain.new_generation(200, 100)  # reading the prompt: 100 ms
         chain.free_ms = free_ms
@@ -307,11 +307,11 @@ def test_a_long_copy_after_a_miss_is_verified_without_asking_the_costly_member()
     for support, model_asked in ((16, False), (2, True)):
         free, slow = _Fixed("ngram", list(range(100, 115)), support=support), _Slow(0.0)
         s_free = Scheduler(CostModel(costs))
-        s_free.acceptance = Acceptance(prior=0.97, strength=1e9)
-        s_free.run, s_free._recent = 0, 0.97  # a miss just now
+        s_free.learned.acceptance = Acceptance(prior=0.97, strength=1e9)
+        s_free.learned.run, s_free.learned.recent = 0, 0.97  # a miss just now
         s_slow = Scheduler(CostModel(costs, draft_per_token_ms=0.2))
-        s_slow.acceptance = Acceptance(prior=0.97, strength=1e9)
-        s_slow.run, s_slow._recent = 100, 0.97
+        s_slow.learned.acceptance = Acceptance(prior=0.97, strength=1e9)
+        s_slow.learned.run, s_slow.learned.recent = 100, 0.97
         chain = ChainScheduler([(free, s_free), (slow, s_slow)])
         d, dec = chain.draft(DrafterChain([free, slow]), list(range(50)), K_MAX - 1, GREEDY,
                              np.random.default_rng(0))

@@ -32,6 +32,7 @@ from edgespec.drafters.mtp_mlx import MlxMtpDrafter, check_mlx_mtp_target  # noq
 from edgespec.engine import Engine  # noqa: E402
 from edgespec.errors import ModelLoadError  # noqa: E402
 from edgespec.heads.mtp_mlx import MlxMtpHead, mtp_weights_from_gguf, mtp_weights_from_hf  # noqa: E402
+from edgespec.schedule.scheduler import COSTLY_GAMMA  # noqa: E402
 
 TOL = 1e-4  # max |Δlogit| / logit range (issue #32)
 # measured here (F32 weights): MLX block vs reference ≤ 2.5e-7 (GGUF and HF weights alike); libllama ≤ 1e-7
@@ -212,7 +213,7 @@ def test_greedy_mlx_mtp_auto_equals_plain(qwen35_mtp_agreeing):  # noqa: F811
     drafted, accepted = _greedy_equals_plain(engine, target, "auto")
     assert engine.pricing.t_forward == pinned
     sched = engine.pricing.scheduler(drafter, True)
-    pays, gain = sched.potential(1.0), sched.expected_gain()[0]
+    pays, gain = sched.cost.speedup(1.0, COSTLY_GAMMA), sched.expected_gain()[0]
     print(f"MLX mtp γ auto: {accepted}/{drafted} draft tokens accepted; T(1) {pinned[1]:.1f} ms, T(2) {pinned[2]:.1f}, "
           f"T(8) {pinned[8]:.1f}; speedup the cost model gives a drafter that is always right: {pays:.2f}, "
           f"the speedup the pair is expected to add: {gain:.4f}")

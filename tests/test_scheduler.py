@@ -8,7 +8,15 @@ import pytest
 
 from edgespec.drafters.base import Draft
 from edgespec.sampling import SamplingParams
-from edgespec.schedule.scheduler import K_MAX, Acceptance, CostModel, RobustTime, Scheduler, best_gamma
+from edgespec.schedule.scheduler import (
+    COSTLY_GAMMA,
+    K_MAX,
+    Acceptance,
+    CostModel,
+    RobustTime,
+    Scheduler,
+    best_gamma,
+)
 
 GREEDY = SamplingParams()
 
@@ -99,8 +107,8 @@ def test_a_long_context_shortens_the_best_draft():
     assert best_gamma(_const(0.9, 15), [0.0] * K_MAX, cost.t_verify(1064))[0] == 3
     # the scheduler plans with the context it is given (its cache: all but the pending token)
     sched = Scheduler(cost)
-    sched.acceptance = Acceptance(prior=0.9, strength=1e9)  # α = 0.9 everywhere
-    sched.run, sched._recent = 100, 1.0  # a long run of right drafts: no slow start, no recent cap
+    sched.learned.acceptance = Acceptance(prior=0.9, strength=1e9)  # α = 0.9 everywhere
+    sched.learned.run, sched.learned.recent = 100, 1.0  # a long run of right drafts: no slow start, no recent cap
     short = sched.draft(_ScriptedDrafter(token=0), [1] * 65, K_MAX - 1, GREEDY, np.random.default_rng(0))
     long = sched.draft(_ScriptedDrafter(token=0), [1] * 1065, K_MAX - 1, GREEDY, np.random.default_rng(0))
     assert short[1].gamma == 10 and long[1].gamma == 3
@@ -150,7 +158,7 @@ def _simulate(sched: Scheduler, drafter, t_verify: list[float], draft_ms: float,
 def test_an_always_wrong_drafter_converges_to_plain_steps(draft_ms):
     t = _linear(10.0, 2.0)  # verification is cheap: speculation would pay if drafts were any good
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))
-    sched.acceptance = Acceptance(prior=0.9)  # optimistic: it speculates at first
+    sched.learned.acceptance = Acceptance(prior=0.9)  # optimistic: it speculates at first
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, draft_ms, cycles=300)
     first_plain = next(i for i, g in enumerate(gammas) if g == 0)
     assert first_plain <= 10
@@ -162,7 +170,7 @@ def test_an_always_wrong_drafter_converges_to_plain_steps(draft_ms):
 def test_a_good_free_drafter_is_found_from_shadow_drafts():
     t = _linear(10.0, 2.0)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
-    sched.acceptance = Acceptance(prior=0.05)  # pessimistic: plain steps, shadow drafts
+    sched.learned.acceptance = Acceptance(prior=0.05)  # pessimistic: plain steps, shadow drafts
     gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 0.0, cycles=40)
     assert gammas[0] == 0 and gammas[-1] >= 8
 
@@ -170,7 +178,7 @@ def test_a_good_free_drafter_is_found_from_shadow_drafts():
 def test_confidence_stops_drafting_when_one_more_token_does_not_pay():
     t = _linear(10.0, 2.0)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.0))
-    sched.acceptance = Acceptance(prior=0.9)
+    sched.learned.acceptance = Acceptance(prior=0.9)
     drafter = _ScriptedDrafter(token=0, confidence=[0.95, 0.95, 0.05, 0.95, 0.95, 0.95])
     d, plan = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, np.random.default_rng(0))
     assert d.tokens == [0, 0]  # saw position 3's confidence of 0.05 and drew no more
@@ -185,7 +193,7 @@ def test_a_block_drafter_pays_for_every_row_whatever_the_cut():
     #   E = 1, 2, 2.05, 2.095, 2.1355 over 14, 15, 16, 17, 18 → γ = 1 (0.1333), so it stops at position 2
     t = _linear(10.0, 1.0)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_fixed_ms=4.0, block=True))
-    sched.acceptance = Acceptance(prior=0.9)
+    sched.learned.acceptance = Acceptance(prior=0.9)
     drafter = _ScriptedDrafter(token=0, confidence=[1.0, 0.05, 1.0, 1.0])
     d, plan = sched.draft(drafter, [1, 2, 3], K_MAX - 1, GREEDY, np.random.default_rng(0))
     assert d.tokens == [0] and plan.gamma == 1 and plan.tokens == pytest.approx(2.0)
@@ -230,9 +238,9 @@ def test_sampled_shadow_scoring_credits_p_of_the_draft_token():
         for _ in range(60):
             sched.draft(_ScriptedDrafter(token=5), [1, 2, 3], K_MAX - 1, SamplingParams(0.7), rng)
             sched.emitted([5], probs)  # the draw equals the draft token every time
-        model = sched.acceptance  # the bucket of the current run: its decayed counts, prior left out
+        model = sched.learned.acceptance  # the bucket of the current run: its decayed counts, prior left out
         assert abs(model.hits[0] / model.tries[0] - want) < 1e-9
-        assert sched.run > 0  # the emitted tokens matched: the run goes on either way
+        assert sched.learned.run > 0  # the emitted tokens matched: the run goes on either way
 
 
 
@@ -245,11 +253,11 @@ def _bandwidth_bound() -> tuple[list[float], Scheduler]:
 
 def test_a_costly_drafter_that_could_win_big_drafts_from_the_first_cycle():
     t, sched = _bandwidth_bound()
-    assert sched.potential(0.9) > 1.5
+    assert sched.cost.speedup(0.9, COSTLY_GAMMA) > 1.5
     sched.new_generation(n_prompt=100)
     gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=30)
     assert gammas[0] > 0 and all(g > 0 for g in gammas)  # no plain steps waiting for a probe budget
-    assert sched.judged == [sum(gammas), sum(gammas)]  # every verified position passed
+    assert sched.learned.judged == [sum(gammas), sum(gammas)]  # every verified position passed
 
 
 def test_a_costly_drafter_that_explores_and_misses_is_switched_off_within_a_few_cycles():
@@ -258,7 +266,7 @@ def test_a_costly_drafter_that_explores_and_misses_is_switched_off_within_a_few_
     first_plain = next(i for i, g in enumerate(gammas) if g == 0)
     assert first_plain <= 3  # the optimistic prior is worth a few verified positions only
     assert sum(g > 0 for g in gammas) <= 3 + 5  # then probes on their small budget, as before
-    assert sched.judged[0] == 0 and sched.judged[1] == sum(g > 0 for g in gammas)
+    assert sched.learned.judged[0] == 0 and sched.learned.judged[1] == sum(g > 0 for g in gammas)
 
 
 def test_a_pair_known_to_miss_starts_plain_and_a_compute_bound_target_never_explores():
@@ -269,7 +277,7 @@ def test_a_pair_known_to_miss_starts_plain_and_a_compute_bound_target_never_expl
     assert _simulate(known_good, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] >= 3
     q4 = _linear(10.0, 8.0)  # T(8) ≈ 6.6·T(1): even a perfect drafter at 6 ms per token cannot win
     compute_bound = Scheduler(CostModel({k: q4[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=6.0))
-    assert compute_bound.potential(1.0) == 1.0  # γ = 0 is best
+    assert compute_bound.cost.speedup(1.0, COSTLY_GAMMA) == 1.0  # γ = 0 is best
     assert compute_bound._probe(K_MAX - 1) == 0  # nothing to win: no probes
     assert _simulate(compute_bound, _ScriptedDrafter(token=0), q4, 6.0, cycles=20) == [0] * 20
 
@@ -288,35 +296,35 @@ def test_a_good_pair_that_hits_a_bad_stretch_comes_back():
     probe budget follows what the pair has shown it could win, so it is probed back within a few
     dozen plain steps, and the next text starts from the pair's long-run acceptance."""
     t, sched = _bandwidth_bound()
-    sched.judged = [950.0, 1000.0]
+    sched.learned.judged = [950.0, 1000.0]
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=20)  # a bad stretch
     assert gammas[0] > 0 and 0 in gammas
     back = _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=150)  # the text turns predictable
     first = next(i for i, g in enumerate(back) if g > 0)
     assert first <= 60 and sum(g > 0 for g in back[first:]) >= 0.9 * (150 - first)
     sched.new_generation(n_prompt=10)
-    assert sched.acceptance.rates[0] > 0.9
+    assert sched.learned.acceptance.rates[0] > 0.9
 
 
 def test_a_pair_record_outweighs_one_bad_start_but_not_a_lasting_one():
     """The record earlier engines kept (0.99 over 300 positions) is worth PAIR_WEIGHT positions: a
     first text that misses 2 of 5 leaves the next text drafting; a pair that keeps missing here
     overrules the record within a few dozen positions."""
-    from edgespec.schedule.scheduler import PAIR_WEIGHT
+    from edgespec.schedule.acceptance import PAIR_WEIGHT
 
     t, _ = _bandwidth_bound()
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), 0.99, 300.0)
-    sched.judged = [3.0, 5.0]
-    assert sched.long_run() == pytest.approx((3 + PAIR_WEIGHT * 0.99) / (5 + PAIR_WEIGHT))
+    sched.learned.judged = [3.0, 5.0]
+    assert sched.learned.mean() == pytest.approx((3 + PAIR_WEIGHT * 0.99) / (5 + PAIR_WEIGHT))
     sched.new_generation(n_prompt=10)
     assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] > 0
-    sched.judged = [20.0, 200.0]  # right 10% of the time in this engine
-    assert sched.long_run() < 0.2 and sched.potential(sched.long_run()) == 1.0
+    sched.learned.judged = [20.0, 200.0]  # right 10% of the time in this engine
+    assert sched.learned.mean() < 0.2 and sched.cost.speedup(sched.learned.mean(), COSTLY_GAMMA) == 1.0
 
 
 def test_a_weak_pair_keeps_the_small_probe_budget():
     t, sched = _bandwidth_bound()
-    sched.judged = [100.0, 1000.0]  # right 10% of the time: at that rate it could never win
+    sched.learned.judged = [100.0, 1000.0]  # right 10% of the time: at that rate it could never win
     sched.new_generation(n_prompt=10)
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=300)
     assert sum(g > 0 for g in gammas) <= 5
@@ -330,8 +338,8 @@ def test_a_flat_sampled_draft_is_not_cut_by_its_confidence_before_the_bin_is_see
     lengths = {}
     for params in (SamplingParams(0.7), GREEDY):
         sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.0))
-        sched.acceptance = Acceptance(prior=0.95)
-        sched._recent = 0.95
+        sched.learned.acceptance = Acceptance(prior=0.95)
+        sched.learned.recent = 0.95
         d, _ = sched.draft(drafter, [1, 2, 3], K_MAX - 1, params, np.random.default_rng(0))
         lengths[params.greedy] = len(d.tokens)
     assert lengths == {False: 4, True: 2}  # sampled: the slow-start cap; greedy: cut by confidence 0.3
@@ -402,8 +410,8 @@ def test_a_pair_that_wins_only_when_almost_always_right_is_probed_at_what_it_has
     few dozen plain steps of a miss, and drafts on once its probes are right."""
     t = [0.0, 20.0] + [27.0 + 5.3 * k for k in range(2, K_MAX + 1)]
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=8.0, copy_ms=0.01))
-    assert best_gamma(_const(0.9, 4), sched.cost.t_draft(), t)[0] == 0 and sched.potential(0.98) > 1.02
-    sched.judged = [980.0, 1000.0]
+    assert best_gamma(_const(0.9, 4), sched.cost.t_draft(), t)[0] == 0 and sched.cost.speedup(0.98, COSTLY_GAMMA) > 1.02
+    sched.learned.judged = [980.0, 1000.0]
     sched.new_generation(n_prompt=10)
     assert _simulate(sched, _ScriptedDrafter(token=7), t, 8.0, cycles=1)[0] > 0  # drafts, misses
     back = _simulate(sched, _ScriptedDrafter(token=0), t, 8.0, cycles=100)
@@ -419,27 +427,25 @@ def test_a_copy_from_a_long_match_is_bet_on_at_once_after_a_miss():
     gammas = {}
     for support in (16, 2):
         s = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}))
-        s.acceptance = Acceptance(prior=0.9, strength=1e9)
-        s.run, s._recent = 0, 0.9
+        s.learned.acceptance = Acceptance(prior=0.9, strength=1e9)
+        s.learned.run, s.learned.recent = 0, 0.9
         d, _ = s.draft(_ScriptedDrafter(1, n=15, support=support), [0, 1, 2], K_MAX - 1, GREEDY,
                        np.random.default_rng(0))
         gammas[support] = len(d.tokens)
-        assert s.streak == support
+        assert s._support == support
     assert gammas[16] >= 10 and gammas[2] <= 4, gammas
 
 
-def test_a_priced_drafter_is_free_only_if_a_whole_shadow_draft_is():
-    """A feature head at ~1 ms a token beside an F32 target's 22 ms step is under FREE_DRAFT per token,
-    but a free drafter drafts K_MAX − 1 tokens every cycle (31 ms): it is priced as costly, and a weak
-    one is not asked for a draft each plain step. A lookup (unpriced) stays free."""
-    from edgespec.schedule.scheduler import FREE_DRAFT
-
+def test_a_priced_drafter_is_never_free():
+    """A feature head at ~1 ms a token beside an F32 target's 22 ms step costs under 5% of a step per
+    token, but a free drafter drafts K_MAX − 1 tokens every cycle (31 ms): a drafter that prices
+    itself, however cheap, is costly, and a weak one is not asked for a draft each plain step. A lookup
+    (unpriced) is free."""
     t = _linear(22.0, 1.0)
     costs = {k: t[k] for k in range(1, K_MAX + 1)}
     head = Scheduler(CostModel(costs, draft_per_token_ms=1.0))
-    assert head.cost.t_draft()[1] < FREE_DRAFT * t[1] and not head.free
-    assert Scheduler(CostModel(costs, draft_per_token_ms=0.02)).free  # 31 tokens: 0.6 ms
-    assert Scheduler(CostModel(costs)).free
+    assert not head.cost.free and not CostModel(costs, draft_per_token_ms=0.02).free  # 31 tokens: 0.6 ms
+    assert CostModel(costs).free
     drafter = _ScriptedDrafter(token=1)  # never right
     gammas = _simulate(head, drafter, t, 1.0, cycles=60)
     # tried at once (no record), then while its belief still allows a win, drafted on a shrinking
@@ -453,7 +459,6 @@ def test_only_a_free_drafters_copies_are_verified_beyond_costly_gamma(draft_ms):
     """Verification is nearly free per token and every draft is right: a free drafter copying from a
     long match is verified up to K_MAX − 1 tokens at once; a costly one drafts at most COSTLY_GAMMA
     (its long draft's tail is a bet at the margin, where sampled and chained runs lost)."""
-    from edgespec.schedule.scheduler import COSTLY_GAMMA
 
     t = _linear(10.0, 0.2)
     sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_ms))

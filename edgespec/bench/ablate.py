@@ -2,8 +2,9 @@
 
 Every variant changes one tunable of edgespec.schedule (most often: switches its mechanism off) and
 replays `-k auto` over every trace set (chains included) on every device. A cell is one (device,
-trace set, category): its speedup over plain. For each variant the report gives the largest change
-of any cell against today's scheduler, the worst cell, and whether the regression gate
+trace set, category): its speedup over plain. For each variant the report gives, against today's
+scheduler, the smallest and largest cell change, the geometric mean change, how many cells got
+better or worse by more than 1%, the cell that moved most, and whether the regression gate
 (replay.check) still passes. A tunable whose variants change no cell by more than 1% buys nothing
 the replay can see.
 
@@ -14,24 +15,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 from collections.abc import Iterator
 from typing import Any
 
 from edgespec.bench import replay, simulate
-from edgespec.schedule import chain, costs, scheduler
+from edgespec.schedule import acceptance, chain, costs, scheduler
 
 # name -> [(module, attribute, value)]: what the variant sets
 VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
-    "free: only a drafter that costs nothing (FREE_DRAFT 0)": [(scheduler, "FREE_DRAFT", 1e-12)],
     "no probes after the first try (PROBE_SHARE 0)": [(scheduler, "PROBE_SHARE", 0.0)],
     "probes 4x (PROBE_SHARE 1)": [(scheduler, "PROBE_SHARE", 1.0)],
-    "pessimistic prior (PRIOR 0.3)": [(scheduler, "PRIOR", 0.3)],
-    "optimistic prior (PRIOR 0.7)": [(scheduler, "PRIOR", 0.7)],
-    "prior worth 1 position (STRENGTH 1)": [(scheduler, "STRENGTH", 1.0)],
-    "pair record worth 5 positions at most (PAIR_WEIGHT 5)": [(scheduler, "PAIR_WEIGHT", 5.0)],
-    "recent rate = last outcome (RECENT 1)": [(scheduler, "RECENT", 1.0)],
-    "no recent cap (RECENT 0)": [(scheduler, "RECENT", 0.0)],
+    "pessimistic prior (PRIOR 0.3)": [(acceptance, "PRIOR", 0.3)],
+    "optimistic prior (PRIOR 0.7)": [(acceptance, "PRIOR", 0.7)],
+    "prior worth 1 position (STRENGTH 1)": [(acceptance, "STRENGTH", 1.0)],
+    "pair record worth 5 positions at most (PAIR_WEIGHT 5)": [(acceptance, "PAIR_WEIGHT", 5.0)],
+    "recent rate = last outcome (RECENT 1)": [(acceptance, "RECENT", 1.0)],
+    "no recent cap (RECENT 0)": [(acceptance, "RECENT", 0.0)],
     "no slow start (SLOW_START 31)": [(scheduler, "SLOW_START", costs.K_MAX - 1)],
     "costly drafters to 31 (COSTLY_GAMMA 31)": [(scheduler, "COSTLY_GAMMA", costs.K_MAX - 1)],
     "costly drafters to 8 (COSTLY_GAMMA 8)": [(scheduler, "COSTLY_GAMMA", 8)],
@@ -86,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     base, base_res = auto_cells(sets, devices)
     print(f"today: {len(base)} cells, median {statistics.median(base.values()):.3f}x plain, "
           f"min {min(base.values()):.3f}; gate: {'pass' if not replay.check(base_res) else 'FAIL'}\n")
-    print("| variant | largest cell change | median change | worst cell (today → variant) | gate |")
-    print("|---|---|---|---|---|")
+    print("| variant | cell change: min / max | geo-mean change | cells ±1%: better / worse | "
+          "largest change (today → variant) | gate |")
+    print("|---|---|---|---|---|---|")
     for name, changes in VARIANTS.items():
         if args.only and not any(o in name for o in args.only):
             continue
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         rel = {k: cells[k] / base[k] - 1 for k in base}
         worst = max(rel, key=lambda k: abs(rel[k]))
         fails = replay.check(res)
-        print(f"| {name} | {rel[worst]:+.1%} | {statistics.median(rel.values()):+.2%} | "
+        geo = math.exp(statistics.fmean(math.log1p(r) for r in rel.values())) - 1
+        up, down = sum(r > 0.01 for r in rel.values()), sum(r < -0.01 for r in rel.values())
+        print(f"| {name} | {min(rel.values()):+.1%} / {max(rel.values()):+.1%} | {geo:+.2%} | {up} / {down} | "
               f"{' '.join(worst)}: {base[worst]:.3f} → {cells[worst]:.3f} | {'pass' if not fails else f'FAIL ({len(fails)})'} |",
               flush=True)
     return 0

@@ -1,9 +1,13 @@
 """What the scheduler learns of a drafter's acceptance: per-position conditional rates (`Acceptance`)
-and the calibration of a drafter's own confidence (`Calibration`), both from decayed counts."""
+and the calibration of a drafter's own confidence (`Calibration`), both from decayed counts; the
+scoring of drafts nobody verified (`Shadows`); and all it knows of one (target, drafter) pair,
+with a belief in its acceptance across generations (`Learned`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -85,3 +89,109 @@ class Shadows:
                 live.append((draft, i + 1))
         self.live = live
         return hit
+
+
+PRIOR = 0.5  # a pair never seen: its acceptance estimate starts here ...
+STRENGTH = 4.0  # ... worth this many verified positions (and so does each generation's start)
+PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier engines is worth
+RECENT = 0.1  # weight of the newest first-token outcome in the recent hit rate
+_GRID = (np.arange(256) + 0.5) / 256  # acceptance values the belief is integrated over
+
+
+class Learned:
+    """What the scheduler knows of one (target, drafter) pair's acceptance:
+    - `belief()`: Beta(α, β) over every verified position, from the pair's record (`prior`, the
+      acceptance it showed in earlier engines, resting on `prior_judged` positions; None: never seen)
+      or PRIOR, worth a few positions, plus every position judged since (`judged`: [passed, judged]);
+    - per-position conditional rates (`acceptance`), restarted from the belief's mean each generation;
+    - this generation's recent first-token hit rate (`recent`) and current run of right drafts (`run`);
+    - the calibration of the drafter's own confidences, and the shadow drafts still being scored."""
+
+    def __init__(self, prior: float | None = None, prior_judged: float = 0.0) -> None:
+        self.prior, self.prior_judged = prior, prior_judged
+        self.judged = [0.0, 0.0]
+        self.run = 0
+        self.calibration = Calibration()
+        self.shadows = Shadows()
+        self._before = (0.0, 0.0)  # `judged` when the current generation began
+        self.start()
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing is known of the pair: no record, no position judged."""
+        return self.prior is None and not self.judged[1]
+
+    def belief(self) -> tuple[float, float]:
+        """(α, β): the record (or PRIOR) worth a few positions, plus every position judged since."""
+        p0, w = (PRIOR, STRENGTH) if self.prior is None else (
+            self.prior, min(PAIR_WEIGHT, max(STRENGTH, self.prior_judged)))
+        return self.judged[0] + w * p0, self.judged[1] - self.judged[0] + w * (1.0 - p0)
+
+    def mean(self) -> float:
+        """The pair's expected acceptance."""
+        a, b = self.belief()
+        return a / (a + b)
+
+    def expected_gain(self, speedup: Callable[[np.ndarray], np.ndarray]) -> tuple[float, float]:
+        """E[max(g − 1, 0)] over the belief in the acceptance a, g = speedup(a): what speculation is
+        expected to add once found; and E[a | g > 1], the acceptance the pair has if it wins."""
+        a, b = self.belief()
+        logw = (a - 1.0) * np.log(_GRID) + (b - 1.0) * np.log1p(-_GRID)
+        w = np.exp(logw - logw.max())
+        w /= w.sum()
+        g = speedup(_GRID)
+        win = w * (g > 1.0)
+        if win.sum() <= 0:
+            return 0.0, 0.0
+        return float(np.sum(w * np.maximum(g - 1.0, 0.0))), float(np.sum(win * _GRID) / win.sum())
+
+    def start(self) -> None:
+        """The per-position rates and the recent hit rate start from the belief's mean."""
+        self.recent = p0 = self.mean()
+        self.acceptance = Acceptance(p0, strength=STRENGTH)
+
+    def new_generation(self, costly: bool) -> None:
+        """Pending shadow drafts and the run are dropped; a costly drafter's rates start again from
+        the belief (one bad stretch must not switch it off)."""
+        self.shadows, self.run, self._before = Shadows(), 0, (self.judged[0], self.judged[1])
+        if costly:
+            self.start()
+
+    def generation_judged(self) -> tuple[float, float]:
+        """Verified draft positions since `new_generation`: (passed, judged), the pair's record."""
+        return self.judged[0] - self._before[0], self.judged[1] - self._before[1]
+
+    def observe(self, drafted: int, accepted: int, confidence: Sequence[float] | None, scored: bool) -> None:
+        """A verified draft of `drafted` tokens, `accepted` of them accepted; `scored`: its positions
+        are judged here (False: a free drafter's, scored in shadow). A draft cut to nothing counts
+        as a first-token miss in the recent rate."""
+        if scored:
+            self.acceptance.observe(drafted, accepted)
+            self.judged[0] += accepted
+            self.judged[1] += min(accepted + 1, drafted)
+            self.run = self.run + drafted if drafted and accepted == drafted else 0
+            self.recent += RECENT * ((accepted > 0) - self.recent)
+        if confidence is not None:
+            self.calibration.observe(confidence, accepted)
+
+    def emitted(self, tokens: Sequence[int], probs: Sequence | None = None) -> None:
+        """Score the shadow drafts against tokens the target emitted (Shadows.score)."""
+        for j, tok in enumerate(tokens):
+            hit = self.shadows.score(tok, None if probs is None else probs[j], self._shadow_seen)
+            if hit is not None:
+                self.run = self.run + 1 if hit else 0
+
+    def survival(self, confidence: Sequence[float] | None, n: int, sampled: bool) -> list[float]:
+        """S_i for i = 1..K_MAX − 1: calibrated confidence for the first n drafted tokens when the
+        drafter gives it (`sampled`: a bin not yet seen starts from the position's rate), the learned
+        rates after (the first capped by the recent hit rate)."""
+        a = list(self.acceptance.rates)
+        a[0] = min(a[0], self.recent)
+        if confidence is not None:
+            a[:n] = [self.calibration(c, a[i] if sampled else None) for i, c in enumerate(confidence[:n])]
+        return list(accumulate(a, operator.mul))
+
+    def _shadow_seen(self, i: int, credit: float) -> None:
+        self.acceptance.observe_position(i, credit)
+        if i == 0:
+            self.recent += RECENT * (credit - self.recent)

@@ -66,7 +66,7 @@ class ChainScheduler:
         costly: tuple[float, int, float | None] | None = None  # (planned rate, member index, baseline)
         spent = 0.0
         for i, (m, s) in enumerate(self.schedulers):
-            if not s.free:
+            if not s.cost.free:
                 base = None if self.started[i] else self.free_ms
                 _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i]), len(context) - 1), base)
                 if costly is None or rate > costly[0]:
@@ -128,7 +128,7 @@ class ChainScheduler:
     @property
     def _free_cycle(self) -> bool:
         """Whether the current cycle verified no costly member's draft."""
-        return self.chosen is None or self.chosen.free
+        return self.chosen is None or self.chosen.cost.free
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
         """Each member's own (a costly member's scheduler prices reading the prompt, against what the

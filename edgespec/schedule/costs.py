@@ -91,6 +91,14 @@ class CostModel:
     def block(self) -> bool:
         return self.draft_prior.block
 
+    @property
+    def free(self) -> bool:
+        """The drafter did not price itself (a lookup: n-gram, history; what it costs is
+        microseconds). The scheduler lets such a drafter draft in shadow at plain steps and verify
+        up to K_MAX − 1 tokens a cycle; one that prices itself, however cheap, is costly (a shadow
+        draft of K_MAX − 1 tokens every plain step would cost it that many tokens' drafting)."""
+        return not (self.draft_prior.per_token_ms or self.draft_prior.fixed_ms)
+
     @classmethod
     def for_drafter(cls, t_forward_ms: dict[int, float], prior: DraftCost | None, **context) -> CostModel:
         """A cost model with the drafter's measured prior (None: free, like an n-gram drafter);
@@ -195,6 +203,16 @@ class CostModel:
         """[γ] = expected ms to draft γ tokens (0 for γ = 0), at the machine's current speed."""
         speed = self.speed
         return self._draft if speed == 1.0 else [t * speed for t in self._draft]
+
+    def speedup(self, acceptance: float | np.ndarray, longest: int) -> float | np.ndarray:
+        """The speedup over plain steps these costs give a drafter whose every token is accepted with
+        probability `acceptance` (elementwise for an array), at its best γ ≤ `longest`."""
+        t_verify = self.t_verify()
+        a = np.asarray(acceptance, dtype=float)[..., None]
+        tokens = np.cumsum(a ** np.arange(longest + 1), axis=-1)  # 1 + S_1 + ... + S_γ with S_i = a^i
+        ms = np.asarray(self.t_draft()[:longest + 1]) + np.asarray(t_verify[1:longest + 2])
+        out = (tokens / ms).max(axis=-1) * t_verify[1]
+        return float(out) if out.ndim == 0 else out
 
     @staticmethod
     def _line(fixed: float, per_token: float) -> list[float]:

@@ -159,7 +159,7 @@ class Pricing:
         learned = self._learned[None]
         for d in members(drafter):
             if isinstance(s := learned.get((d, greedy)), Scheduler):
-                save_acceptance(self.pair_path(d, greedy), *s.generation_judged())
+                save_acceptance(self.pair_path(d, greedy), *s.learned.generation_judged())
 
     def pair_path(self, drafter: Drafter, greedy: bool) -> Path | None:
         """Where what the scheduler learned of this (target, drafter) pair's acceptance is kept."""

@@ -35,6 +35,14 @@ def expected_rollback(survival: Sequence[float], gamma: int, t_rollback: Sequenc
     return sum((s[n] - s[n + 1]) * t_rollback[n] for n in range(gamma))
 
 
+def cut(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float], sunk: int,
+        t_rollback: Sequence[float] | None = None) -> tuple[int, float]:
+    """The best γ ≤ len(survival) once `sunk` tokens are drafted (drafting them is paid whatever γ
+    is verified), and its expected tokens."""
+    g, _ = best_gamma(survival, [t_draft[max(g, sunk)] for g in range(len(survival) + 1)], t_verify, t_rollback)
+    return g, 1.0 + sum(survival[:g])
+
+
 
 @dataclass
 class Decision:
