@@ -31,7 +31,6 @@ from edgespec.sampling import Dist, SamplingParams
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import Scheduler
 
-LAG_WEIGHT = 0.2  # weight of the newest lag in a costly member's running mean
 FREE_WEIGHT = 0.5  # weight of the newest generation in the chain's ms per token without costly members
 FREE_MIN_TOKENS = 16  # fewer tokens than this in a generation say too little of it
 
@@ -45,10 +44,10 @@ class ChainScheduler:
     chosen: Scheduler | None = None  # the member whose draft the current cycle verifies (None: plain)
     others_s: float = 0.0  # the cycle's drafting time spent by members whose proposal is not verified
     by_member: dict[str, int] = field(default_factory=dict)  # cycles verified per member's name
-    # per member: the running mean of the context tokens it caught up on (Draft.synced) at its drafts
-    # after its first in a generation: its plan pays for that mean catch-up (the current lag is sunk:
-    # waiting only makes it grow; the prompt's reading is priced by its scheduler)
-    lag_mean: list[float] = field(default_factory=list)
+    # per member: the context tokens it caught up on (Draft.synced) at its latest draft after its
+    # first in a generation: its plan pays for that catch-up again (the current lag is sunk: waiting
+    # only makes it grow; the prompt's reading is priced by its scheduler)
+    lag: list[int] = field(default_factory=list)
     started: list[bool] = field(default_factory=list)  # per member: drafted in this generation
     # ms per token of the cycles no costly member's draft was verified in (plain steps and free members'
     # drafts), over earlier generations (None: not known yet): what a costly member must beat to be
@@ -58,7 +57,7 @@ class ChainScheduler:
     _costly_s: float = 0.0  # the cycle's drafting time spent by costly members
 
     def __post_init__(self) -> None:
-        self.lag_mean, self.started = [0.0] * len(self.schedulers), [False] * len(self.schedulers)
+        self.lag, self.started = [0] * len(self.schedulers), [False] * len(self.schedulers)
 
     def draft(self, drafter: DrafterChain, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
@@ -68,7 +67,7 @@ class ChainScheduler:
         for i, (m, s) in enumerate(self.schedulers):
             if not s.cost.free:
                 base = None if self.started[i] else self.free_ms
-                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(round(self.lag_mean[i]), len(context) - 1), base)
+                _, rate = s.plan(len(context) - 1, limit, s.cost.t_catch_up(self.lag[i], len(context) - 1), base)
                 if costly is None or rate > costly[0]:
                     costly = (rate, i, base)
                 continue
@@ -87,7 +86,7 @@ class ChainScheduler:
             d, dec = s.draft(m, context, limit, params, rng, costly[2])
             if dec.gamma or d.tokens:  # it drafted, after reading what it had missed
                 if self.started[i]:
-                    self.lag_mean[i] += LAG_WEIGHT * (d.synced - self.lag_mean[i])
+                    self.lag[i] = d.synced
                 self.started[i] = True
             # then its drafting is sunk: proposals compare on what verifying them still costs; a probe
             # is verified whatever it promises (that is how its scheduler learns)
