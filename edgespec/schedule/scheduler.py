@@ -12,8 +12,9 @@ profile and the drafter's prior and follow the cycles timed.
 What the scheduler knows of a (target, drafter) pair (edgespec.schedule.acceptance.Learned) is a
 belief in its acceptance over every verified position, Beta(α, β): the pair's record (what earlier
 engines learned, kept on disk) or PRIOR, worth a few positions, plus every position judged since. A
-costly drafter's per-position rates start from its mean in every generation. Long drafts are bet only on a run of right ones
-(SLOW_START). When no γ > 0 wins, plain steps run and learning goes on:
+costly drafter's per-position rates start from its mean in every generation. Long drafts are bet
+only on a run of right ones or, for a copying drafter, a long match (SLOW_START). When no γ > 0
+wins, plain steps run and learning goes on:
 - a free drafter (a lookup that does not price itself: n-gram, history) drafts in shadow; each
   shadow draft is scored against what the target emits, as verification would have;
 - a costly drafter (a draft model, a head) is probed. The speedup g(a) the cost model gives each
@@ -41,11 +42,10 @@ from edgespec.schedule.rate import Decision, best_gamma, cut, expected_rollback
 __all__ = ["K_MAX", "Acceptance", "Calibration", "CostModel", "Decision", "Learned", "RobustTime", "Scheduler",
            "best_gamma", "expected_rollback"]
 PROBE_SHARE = 0.25  # probes may lose this × the speedup a pair is expected to add, of plain-step time
-SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the current run of right drafts)
-# a costly drafter drafts at most this many tokens a cycle (a free one: K_MAX − 1). Drafting
-# dominates its cycle, so a long draft's tail is a bet at the margin: letting a Q4_1 draft model draft
-# up to 31 for SmolLM2 F32 gained greedy (1.49 vs 1.41) but lost at T 0.7 (1.26 vs 1.35) and in the
-# ngram,model chain (1.85 vs 2.06), each one run on the same machine
+SLOW_START = 4  # γ ≤ max(SLOW_START, 2 × the run of right drafts, or of a copying drafter's match)
+# a costly drafter drafts at most this many tokens a cycle (a free one: K_MAX − 1): drafting
+# dominates its cycle, so a long draft's tail is a bet at the margin (docs/scheduler.md: on the
+# replay, 31 and 8 each lose cells, −0.23% and −0.35% in the geometric mean)
 COSTLY_GAMMA = 15
 
 
