@@ -47,10 +47,6 @@ class CostProfile:
     def t_draft(self, gamma: int) -> float:
         return 0.0 if gamma == 0 else self.draft_fixed_ms + gamma * self.draft_per_token_ms
 
-    def ideal_speedup(self, gamma: int, expected_tau: float) -> float:
-        """E[τ(γ)]·T(1) / (T_draft(γ) + T(γ+1)): the speedup if the runtime itself cost nothing."""
-        return expected_tau * self.t_forward_ms[1] / (self.t_draft(gamma) + self.t_forward_ms[gamma + 1])
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -293,27 +289,35 @@ def save_handoff(path: Path | None, use: bool, probed: bool, copy_ms: float, rea
                                     measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))))
 
 
-def load_acceptance(path: Path | None) -> tuple[float, float] | None:
-    """The pair's mean acceptance of verified draft positions and how many (decayed) positions it
-    rests on (None: unknown or too few)."""
+def trusted(record: Sequence[float]) -> tuple[float, float] | None:
+    """A pair record [passed, judged] as (mean acceptance, positions it rests on); None: too few."""
+    passed, judged = record
+    return (passed / judged, judged) if judged >= PAIR_MIN_JUDGED else None
+
+
+def fold(record: Sequence[float], passed: float, judged: float) -> list[float]:
+    """A pair record with one more generation's verified draft positions folded in."""
+    return [PAIR_DECAY * record[0] + passed, PAIR_DECAY * record[1] + judged]
+
+
+def _record(path: Path | None) -> list[float] | None:
     try:
-        passed, judged = json.loads(path.read_text())["judged"] if path is not None else (0, 0)
+        return json.loads(path.read_text())["judged"] if path is not None else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (passed / judged, judged) if judged >= PAIR_MIN_JUDGED else None
+
+
+def load_acceptance(path: Path | None) -> tuple[float, float] | None:
+    """The pair record at `path`, `trusted` (None: unknown or too few)."""
+    return None if (record := _record(path)) is None else trusted(record)
 
 
 def save_acceptance(path: Path | None, passed: float, judged: float) -> None:
     """Fold one generation's verified draft positions into the pair's record."""
-    if path is None or judged <= 0:
-        return
-    try:
-        old = json.loads(path.read_text())["judged"]
-    except (OSError, ValueError, KeyError, TypeError):
-        old = (0.0, 0.0)
-    record = [PAIR_DECAY * old[0] + passed, PAIR_DECAY * old[1] + judged]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"judged": record, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    if path is not None and judged > 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = fold(_record(path) or (0.0, 0.0), passed, judged)
+        path.write_text(json.dumps({"judged": record, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 
 def time_forward(backend: Backend, ks: Sequence[int], repeats: int = 5,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from dataclasses import dataclass, field
@@ -166,6 +167,32 @@ def test_an_always_wrong_drafter_leaves_auto_at_plain(kind):
         assert replay.total(res["auto"]) >= 0.98
         assert min(r.speedup for r in res["auto"]) >= 0.95
         assert replay.total(res["oracle"]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.8])
+def test_a_warm_replay_starts_from_the_record_an_engine_keeps(monkeypatch, tmp_path, hit):
+    """auto-warm: the first pass's generations, folded as Pricing.remember writes them to disk, are the
+    record the second pass's scheduler starts from, as an engine reads it back."""
+    from edgespec import calibration
+    from edgespec.schedule.acceptance import Learned
+
+    rng = np.random.default_rng(5)
+    ts = trace_set([random_trace(rng, f"t{i}", hit=hit, confident=True) for i in range(4)], kind="model")
+    members, dev, path = [(ts, [simulate.prepare(t, 0.0) for t in ts.traces])], bandwidth_bound(), tmp_path / "pair"
+    judged, priors = [], []
+    gen, init = Learned.generation_judged, Learned.__init__
+    monkeypatch.setattr(Learned, "generation_judged", lambda self: judged.append(gen(self)) or judged[-1])
+    monkeypatch.setattr(Learned, "__init__", lambda self, *a: priors.append(a) or init(self, *a))
+    cold, record = simulate._run_auto(members, dev, None)  # one record per member
+    assert len(judged) == 4 and priors == [(None,)]
+    for passed, n in judged:
+        calibration.save_acceptance(path, passed, n)
+    assert record[0] == pytest.approx(json.loads(path.read_text())["judged"])
+    on_disk = calibration.load_acceptance(path)  # a drafter always wrong is judged on too few positions
+    assert (on_disk is None) == (hit == 0.0)
+    warm = simulate.run_auto(members, dev, warm=True)
+    assert priors[-1] == (None,) if on_disk is None else priors[-1] == pytest.approx(on_disk[:1])
+    assert replay.total(warm) >= replay.total(cold) * 0.999  # what the record says is not paid for again
 
 
 def test_sampled_replay_follows_accept():

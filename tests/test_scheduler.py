@@ -307,15 +307,15 @@ def test_a_good_pair_that_hits_a_bad_stretch_comes_back():
 
 
 def test_a_pair_record_outweighs_one_bad_start_but_not_a_lasting_one():
-    """The record earlier engines kept (0.99 over 300 positions) is worth PAIR_WEIGHT positions: a
+    """The record earlier engines kept (0.99) is worth STRENGTH positions, as the prior it replaces: a
     first text that misses 2 of 5 leaves the next text drafting; a pair that keeps missing here
     overrules the record within a few dozen positions."""
-    from edgespec.schedule.acceptance import PAIR_WEIGHT
+    from edgespec.schedule.acceptance import STRENGTH
 
     t, _ = _bandwidth_bound()
-    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), 0.99, 300.0)
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=3.0), 0.99)
     sched.learned.judged = [3.0, 5.0]
-    assert sched.learned.mean() == pytest.approx((3 + PAIR_WEIGHT * 0.99) / (5 + PAIR_WEIGHT))
+    assert sched.learned.mean() == pytest.approx((3 + STRENGTH * 0.99) / (5 + STRENGTH))
     sched.new_generation(n_prompt=10)
     assert _simulate(sched, _ScriptedDrafter(token=0), t, 3.0, cycles=1)[0] > 0
     sched.learned.judged = [20.0, 200.0]  # right 10% of the time in this engine

@@ -2,7 +2,7 @@
 
 Every variant changes one tunable of edgespec.schedule (most often: switches its mechanism off) and
 replays `-k auto` over every trace set (chains included) on every device. A cell is one (device,
-trace set, category): its speedup over plain. For each variant the report gives, against today's
+trace set, -k auto policy, category): its speedup over plain. For each variant the report gives, against today's
 scheduler, the smallest and largest cell change, the geometric mean change, how many cells got
 better or worse by more than 1%, the cell that moved most, and whether the regression gate
 (replay.check) still passes. A tunable whose variants change no cell by more than 1% buys nothing
@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
+from edgespec import calibration
 from edgespec.bench import replay, simulate
 from edgespec.schedule import acceptance, chain, costs, scheduler
 
@@ -30,7 +31,8 @@ VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
     "pessimistic prior (PRIOR 0.3)": [(acceptance, "PRIOR", 0.3)],
     "optimistic prior (PRIOR 0.7)": [(acceptance, "PRIOR", 0.7)],
     "prior worth 1 position (STRENGTH 1)": [(acceptance, "STRENGTH", 1.0)],
-    "pair record worth 5 positions at most (PAIR_WEIGHT 5)": [(acceptance, "PAIR_WEIGHT", 5.0)],
+    "pair record: the newest generation only (PAIR_DECAY 0)": [(calibration, "PAIR_DECAY", 0.0)],
+    "pair record trusted from 1 position (PAIR_MIN_JUDGED 1)": [(calibration, "PAIR_MIN_JUDGED", 1)],
     "recent rate = last outcome (RECENT 1)": [(acceptance, "RECENT", 1.0)],
     "no recent cap (RECENT 0)": [(acceptance, "RECENT", 0.0)],
     "no slow start (SLOW_START 31)": [(scheduler, "SLOW_START", costs.K_MAX - 1)],
@@ -54,22 +56,26 @@ def patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
             setattr(m, a, v)
 
 
-def auto_cells(sets: list, devices: list) -> tuple[dict[tuple[str, str, str], float], dict]:
-    """{(device, trace set, category): -k auto's speedup over plain}, and the results the gate reads."""
+def auto_cells(sets: list, devices: list) -> tuple[dict[tuple[str, str, str, str], float], dict]:
+    """{(device, trace set, policy, category): its speedup over plain} for each -k auto policy
+    (replay.AUTO: a pair's first run and a pair run before), and the results the gate reads."""
     cells, results = {}, {}
     for dev in devices:
         res: dict[str, dict[str, list]] = {}
         for ts in sets:
             if ts.kind in dev.draft:
                 tasks = [simulate.prepare(t, ts.temperature) for t in ts.traces]
-                res[replay.set_name(ts)] = {"auto": simulate.run_auto([(ts, tasks)], dev)}
+                res[replay.set_name(ts)] = {p: simulate.run_auto([(ts, tasks)], dev, warm=p != "auto")
+                                            for p in replay.AUTO}
         for ch in replay.chains_of(sets):
             if all(ts.kind in dev.draft for ts in ch):
-                res[replay.chain_name(ch)] = {"auto": replay.replay_chain(ch, dev)["auto"]}
+                r = replay.replay_chain(ch, dev)
+                res[replay.chain_name(ch)] = {p: r[p] for p in replay.AUTO}
         results[dev.name] = res
         for name, r in res.items():
-            for cat, rs in replay.by_category(r["auto"]).items():
-                cells[dev.name, name, cat] = replay.total(rs)
+            for p in replay.AUTO:
+                for cat, rs in replay.by_category(r[p]).items():
+                    cells[dev.name, name, p, cat] = replay.total(rs)
     return cells, results
 
 

@@ -4,20 +4,26 @@ A trace holds, for one task, the target's output and the draft the drafter propo
 from the true context; edgespec.bench.simulate replays one trace under one policy on one device's
 costs (exact when greedy; at T > 0 a Bernoulli model of recorded acceptance, an approximation).
 
-Policies: `auto` (the real Scheduler, ChainScheduler for chains, built from the device's costs, fed
-the modeled times in seconds as the engine feeds it, one per trace set: what it learns carries over
-tasks, `new_generation` per task); every fixed γ (1..15, 1..31 for a copying drafter) and `best-fixed`
-(the best over the whole set, what MTPLX `tune` picks); the controllers of edgespec.bench.policies
-(llama.cpp, transformers, ik_llama.cpp, BeeLlama); `oracle`, the best γ per cycle knowing the output
-(a dynamic program; at T > 0 over the expected accepted length from accept[]), the ceiling. Chains
-(a copying and a costly drafter of one target and temperature) get `auto` and `oracle` only.
+Policies:
+- `auto`: the real Scheduler (ChainScheduler for chains) built from the device's costs and fed the
+  modeled times in seconds as the engine feeds it, one per trace set (what it learns carries over
+  tasks, `new_generation` per task): a pair's first run on the machine;
+- `auto-warm`: the same on a pair run before, its schedulers starting from the pair records a first
+  pass over the same tasks left (as an engine starts from what earlier ones kept on disk);
+- every fixed γ (1..15, 1..31 for a copying drafter) and `best-fixed`, the best over the whole set
+  (what MTPLX `tune` picks);
+- the controllers of edgespec.bench.policies (llama.cpp, transformers, ik_llama.cpp, BeeLlama);
+- `oracle`: the best γ per cycle knowing the output (a dynamic program; at T > 0 over the expected
+  accepted length from accept[]), the ceiling.
+Chains (a copying and a costly drafter of one target and temperature) get `auto`, `auto-warm` and
+`oracle` only.
 
     .venv/bin/python -m edgespec.bench.replay --traces tests/fixtures/traces --device all    # make replay
 
 Ends with one line: REPLAY traces=<trace sets> devices=<devices> auto_min_task=… auto_min_category=…
 auto_vs_best_fixed_median=… auto_vs_best_controller_median=… auto_vs_oracle_median=… (medians over
-(device, trace set) cells of the whole-set speedup ratios). `check` is the regression gate
-(tests/test_replay_gate.py).
+(device, trace set) cells of the whole-set speedup ratios), then the same five for auto-warm
+(warm_…). `check` is the regression gate (tests/test_replay_gate.py).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def replay_set(ts: TraceSet, device: Any, seed: int = 0) -> dict[str, list[Resul
     """Every policy over one trace set on one device: {policy: per-task results}."""
     tasks = [prepare(t, ts.temperature, seed) for t in ts.traces]
     c = Costs(device, ts.kind)
-    res = {"auto": run_auto([(ts, tasks)], device)}
+    res = {"auto": run_auto([(ts, tasks)], device), "auto-warm": run_auto([(ts, tasks)], device, warm=True)}
     for g in fixed_range(ts.kind):
         res[f"k={g}"] = [run_controller(t, c, pol.Fixed(g)) for t in tasks]
     best = max((k for k in res if k.startswith("k=")), key=lambda k: total(res[k]))
@@ -75,7 +81,7 @@ def replay_chain(sets: list[TraceSet], device: Any, seed: int = 0) -> dict[str, 
     keep = [j for j in range(len(ids)) if all(m[1][j].trace.output == members[0][1][j].trace.output for m in members)]
     members = [(ts, [tasks[j] for j in keep]) for ts, tasks in members]
     costs = [Costs(device, ts.kind) for ts in sets]
-    return {"auto": run_auto(members, device),
+    return {"auto": run_auto(members, device), "auto-warm": run_auto(members, device, warm=True),
             "oracle": [oracle([m[1][j] for m in members], costs) for j in range(len(keep))]}
 
 
@@ -141,27 +147,30 @@ def replay_all(sets: list[TraceSet], devices: list[Any]) -> dict[str, dict[str, 
     return out
 
 
+AUTO = ("auto", "auto-warm")  # -k auto on a pair's first run on the machine, and on a pair run before
 GATE = {"category": 0.98, "task": 0.95, "vs_fixed": 0.97, "share": 0.10}  # the regression gate's bounds (#48)
 
 
 def shortfalls(results: dict[str, dict[str, dict[str, list[Result]]]]) -> dict[str, float]:
-    """Where `-k auto` misses the gate, {what: its value}: a category median under GATE["category"] ×
-    plain ("<device> <set> <category> median"), a task under GATE["task"] × plain ("<device> <set>
-    <task>"), and the share of (device, trace set, category) cells under GATE["vs_fixed"] × the best
-    fixed γ ("cells under best fixed"), when it is over GATE["share"]."""
+    """Where `-k auto` (each policy of AUTO) misses the gate, {what: its value}: a category median under
+    GATE["category"] × plain ("<device> <set> <category> median"; "warm" before the category for
+    auto-warm), a task under GATE["task"] × plain ("<device> <set> [warm ]<task>"), and the share of
+    (device, trace set, category, policy) cells under GATE["vs_fixed"] × the best fixed γ ("cells
+    under best fixed"), when it is over GATE["share"]."""
     out, cells, under = {}, 0, 0
     for dev, sets in results.items():
         for name, res in sets.items():
-            auto = by_category(res["auto"])
             fixed = by_category(res["best-fixed"]) if "best-fixed" in res else {}
-            for cat, rs in sorted(auto.items()):
-                med = statistics.median(r.speedup for r in rs)
-                if med < GATE["category"]:
-                    out[f"{dev} {name} {cat} median"] = med
-                out |= {f"{dev} {name} {r.task}": r.speedup for r in rs if r.speedup < GATE["task"]}
-                if cat in fixed:
-                    cells += 1
-                    under += total(rs) < GATE["vs_fixed"] * total(fixed[cat])
+            for policy in AUTO:
+                tag = "" if policy == "auto" else "warm "
+                for cat, rs in sorted(by_category(res[policy]).items()):
+                    med = statistics.median(r.speedup for r in rs)
+                    if med < GATE["category"]:
+                        out[f"{dev} {name} {tag}{cat} median"] = med
+                    out |= {f"{dev} {name} {tag}{r.task}": r.speedup for r in rs if r.speedup < GATE["task"]}
+                    if cat in fixed:
+                        cells += 1
+                        under += total(rs) < GATE["vs_fixed"] * total(fixed[cat])
     if cells and under > GATE["share"] * cells:
         out["cells under best fixed"] = under / cells
     return out
@@ -173,29 +182,32 @@ def check(results: dict[str, dict[str, dict[str, list[Result]]]]) -> list[str]:
 
 
 def summary(results: dict[str, dict[str, dict[str, list[Result]]]], n_sets: int) -> str:
-    tasks, cats, r_fixed, r_ctrl, r_oracle = [], [], [], [], []
-    for sets in results.values():
-        for res in sets.values():
-            auto = res["auto"]
-            tasks += [r.speedup for r in auto]
-            cats += [statistics.median(r.speedup for r in rs) for rs in by_category(auto).values()]
-            a = total(auto)
-            r_oracle.append(a / total(res["oracle"]))
-            if "best-fixed" in res:
-                r_fixed.append(a / total(res["best-fixed"]))
-                r_ctrl.append(a / max(total(res[c]) for c in CONTROLLERS))
+    """The REPLAY line: `-k auto` on a pair's first run (auto_*), then on a pair run before (warm_*)."""
+    def part(policy: str, prefix: str) -> str:
+        tasks, cats, r_fixed, r_ctrl, r_oracle = [], [], [], [], []
+        for sets in results.values():
+            for res in sets.values():
+                auto = res[policy]
+                tasks += [r.speedup for r in auto]
+                cats += [statistics.median(r.speedup for r in rs) for rs in by_category(auto).values()]
+                a = total(auto)
+                r_oracle.append(a / total(res["oracle"]))
+                if "best-fixed" in res:
+                    r_fixed.append(a / total(res["best-fixed"]))
+                    r_ctrl.append(a / max(total(res[c]) for c in CONTROLLERS))
 
-    def f(xs: list[float], agg=min) -> str:
-        return f"{agg(xs):.3f}" if xs else "nan"
-    return (f"REPLAY traces={n_sets} devices={len(results)} auto_min_task={f(tasks)} auto_min_category={f(cats)} "
-            f"auto_vs_best_fixed_median={f(r_fixed, statistics.median)} "
-            f"auto_vs_best_controller_median={f(r_ctrl, statistics.median)} "
-            f"auto_vs_oracle_median={f(r_oracle, statistics.median)}")
+        def f(xs: list[float], agg=min) -> str:
+            return f"{agg(xs):.3f}" if xs else "nan"
+        return (f"{prefix}_min_task={f(tasks)} {prefix}_min_category={f(cats)} "
+                f"{prefix}_vs_best_fixed_median={f(r_fixed, statistics.median)} "
+                f"{prefix}_vs_best_controller_median={f(r_ctrl, statistics.median)} "
+                f"{prefix}_vs_oracle_median={f(r_oracle, statistics.median)}")
+    return f"REPLAY traces={n_sets} devices={len(results)} {part('auto', 'auto')} {part('auto-warm', 'warm')}"
 
 
 def table(dev: str, sets: dict[str, dict[str, list[Result]]]) -> str:
     names = list(sets)
-    rows = ["auto", "best-fixed", *(f"k={g}" for g in SHOWN_FIXED), *CONTROLLERS, "oracle"]
+    rows = [*AUTO, "best-fixed", *(f"k={g}" for g in SHOWN_FIXED), *CONTROLLERS, "oracle"]
     lines = [f"## {dev}: speedup / τ / ÷ oracle", "", "| policy | " + " | ".join(names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for row in rows:

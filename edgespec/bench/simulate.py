@@ -22,6 +22,7 @@ import numpy as np
 
 from edgespec.bench import policies as pol
 from edgespec.bench.trace import Trace, TraceSet
+from edgespec.calibration import fold, trusted
 from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
@@ -252,13 +253,24 @@ def modeled_time(clock: Clock):
             m.time = t
 
 
-def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Result]:
+def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, warm: bool = False) -> list[Result]:
     """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`, as the
-    engine's loop runs it (Engine._cycle), on modeled time."""
+    engine's loop runs it (Engine._cycle), on modeled time. `warm`: a pair this machine has run before,
+    its schedulers starting from the pair records (edgespec.calibration.fold) a first pass over the
+    same tasks left, as an engine starts from what earlier ones kept on disk."""
+    records = _run_auto(members, device, None)[1] if warm else None
+    return _run_auto(members, device, records)[0]
+
+
+def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: list[list[float]] | None
+              ) -> tuple[list[Result], list[list[float]]]:
+    """run_auto's results, each scheduler starting from its member's record (None: no record), and
+    the records after every task's generation is folded in."""
     clock = Clock()
     costs = [Costs(device, ts.kind) for ts, _ in members]
     drafters = [TraceDrafter(ts, c, clock) for (ts, _), c in zip(members, costs)]
-    scheds = [Scheduler(c.model()) for c in costs]
+    records = [list(r) for r in records] if records else [[0.0, 0.0] for _ in members]
+    scheds = [Scheduler(c.model(), None if (t := trusted(r)) is None else t[0]) for c, r in zip(costs, records)]
     chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
     sched: Any = chain or scheds[0]
     temp = members[0][0].temperature
@@ -287,4 +299,8 @@ def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Re
                 sched.emitted(tr.output[p:p + acc + 1], None)
                 ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
             out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
-    return out
+            for j, s in enumerate(scheds):  # what the engine keeps at the end of a generation (Pricing.remember)
+                passed, judged = s.learned.generation_judged()
+                if judged > 0:
+                    records[j] = fold(records[j], passed, judged)
+    return out, records

@@ -92,23 +92,22 @@ class Shadows:
 
 
 PRIOR = 0.5  # a pair never seen: its acceptance estimate starts here ...
-STRENGTH = 4.0  # ... worth this many verified positions (and so does each generation's start)
-PAIR_WEIGHT = 20.0  # most verified positions the pair's record from earlier engines is worth
+STRENGTH = 4.0  # ... worth this many verified positions (so are a pair's record and each generation's start)
 RECENT = 0.1  # weight of the newest first-token outcome in the recent hit rate
 _GRID = (np.arange(256) + 0.5) / 256  # acceptance values the belief is integrated over
 
 
 class Learned:
     """What the scheduler knows of one (target, drafter) pair's acceptance:
-    - `belief()`: Beta(α, β) over every verified position, from the pair's record (`prior`, the
-      acceptance it showed in earlier engines, resting on `prior_judged` positions; None: never seen)
-      or PRIOR, worth a few positions, plus every position judged since (`judged`: [passed, judged]);
+    - `belief()`: Beta(α, β) over every verified position: the pair's record (`prior`, the acceptance
+      it showed in earlier engines; None: never seen) or PRIOR, worth STRENGTH positions, plus every
+      position judged since (`judged`: [passed, judged]);
     - per-position conditional rates (`acceptance`), restarted from the belief's mean each generation;
     - this generation's recent first-token hit rate (`recent`) and current run of right drafts (`run`);
     - the calibration of the drafter's own confidences, and the shadow drafts still being scored."""
 
-    def __init__(self, prior: float | None = None, prior_judged: float = 0.0) -> None:
-        self.prior, self.prior_judged = prior, prior_judged
+    def __init__(self, prior: float | None = None) -> None:
+        self.prior = prior
         self.judged = [0.0, 0.0]
         self.run = 0
         self.calibration = Calibration()
@@ -122,10 +121,10 @@ class Learned:
         return self.prior is None and not self.judged[1]
 
     def belief(self) -> tuple[float, float]:
-        """(α, β): the record (or PRIOR) worth a few positions, plus every position judged since."""
-        p0, w = (PRIOR, STRENGTH) if self.prior is None else (
-            self.prior, min(PAIR_WEIGHT, max(STRENGTH, self.prior_judged)))
-        return self.judged[0] + w * p0, self.judged[1] - self.judged[0] + w * (1.0 - p0)
+        """(α, β): the record (or PRIOR) worth STRENGTH positions, plus every position judged since (a
+        record from other texts yields to this engine's evidence within a few dozen positions)."""
+        p0 = PRIOR if self.prior is None else self.prior
+        return self.judged[0] + STRENGTH * p0, self.judged[1] - self.judged[0] + STRENGTH * (1.0 - p0)
 
     def mean(self) -> float:
         """The pair's expected acceptance."""

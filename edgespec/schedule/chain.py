@@ -31,9 +31,6 @@ from edgespec.sampling import Dist, SamplingParams
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import Scheduler
 
-FREE_WEIGHT = 0.5  # weight of the newest generation in the chain's ms per token without costly members
-FREE_MIN_TOKENS = 16  # fewer tokens than this in a generation say too little of it
-
 
 @dataclass
 class ChainScheduler:
@@ -50,8 +47,8 @@ class ChainScheduler:
     lag: list[int] = field(default_factory=list)
     started: list[bool] = field(default_factory=list)  # per member: drafted in this generation
     # ms per token of the cycles no costly member's draft was verified in (plain steps and free members'
-    # drafts), over earlier generations (None: not known yet): what a costly member must beat to be
-    # worth reading a new prompt
+    # drafts) in the latest generation that had any (None: not known yet): what a costly member must
+    # beat to be worth reading a new prompt
     free_ms: float | None = None
     _free: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this generation's (ms, tokens)
     _costly_s: float = 0.0  # the cycle's drafting time spent by costly members
@@ -133,9 +130,8 @@ class ChainScheduler:
         """Each member's own (a costly member's scheduler prices reading the prompt, against what the
         chain did without costly members in earlier generations)."""
         ms, tokens = self._free
-        if tokens >= FREE_MIN_TOKENS:
-            rate = ms / tokens
-            self.free_ms = rate if self.free_ms is None else self.free_ms + FREE_WEIGHT * (rate - self.free_ms)
+        if tokens:
+            self.free_ms = ms / tokens
         self._free = [0.0, 0.0]
         self.started = [False] * len(self.schedulers)
         for _, s in self.schedulers:

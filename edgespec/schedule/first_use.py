@@ -26,8 +26,9 @@ from edgespec.calibration import CALIBRATION_KS, CONTEXT_TOKENS, load_profile, p
 MIN_STEPS = 8  # plain steps a reply needs before its T(1) is kept
 MIN_SPREAD = 64  # context lengths (tokens) the steps must span before their slope is kept as the context term
 BINS = 8  # the steps' context range is cut into this many bins; the slope is fitted through their medians
-SPLIT = 32  # tokens per forward when an interruptible target reads tokens without logits
-RESTORE_CHUNK = 64  # tokens per forward when an idle run puts the conversation back in the cache
+# tokens per forward when idle work reads tokens without logits (timing, putting the conversation
+# back): a stop or a close is honoured within one such forward
+SPLIT = 32
 
 
 def needs_learning(backend: Backend) -> bool:
@@ -141,11 +142,11 @@ def time_idle(pricing: Any, drafter: Any, kv: list[int], stop: threading.Event, 
     try:  # timing used the cache (and one stopped left anything in it): always rebuilt
         target.truncate(0)
         kept: list[int] = []
-        for i in range(0, len(kv), RESTORE_CHUNK):
+        for i in range(0, len(kv), SPLIT):
             if abandon.is_set():
                 break
-            target.eval(kv[i:i + RESTORE_CHUNK], rows="none")
-            kept.extend(kv[i:i + RESTORE_CHUNK])
+            target.eval(kv[i:i + SPLIT], rows="none")
+            kept.extend(kv[i:i + SPLIT])
         return kept, error
     except Exception as e:
         target.truncate(0)

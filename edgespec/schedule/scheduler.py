@@ -19,7 +19,7 @@ wins, plain steps run and learning goes on:
   shadow draft is scored against what the target emits, as verification would have;
 - a costly drafter (a draft model, a head) is probed. The speedup g(a) the cost model gives each
   acceptance a, integrated over the belief, gives the gain speculation is expected to add; probes
-  may lose PROBE_SHARE × that gain of the plain steps' time. Each verified position narrows the
+  may lose, in all, PROBE_SHARE × that gain of the plain steps' time. Each verified position narrows the
   belief, so a drafter that cannot win stops being probed, and one that could keeps being tried in
   proportion to what it could win. A pair never judged is tried at once.
 """
@@ -53,24 +53,23 @@ COSTLY_GAMMA = 15
 class Scheduler:
     """Per cycle: `draft()` plans γ, drafts, and cuts the draft to the best verify length;
     `observe()` learns from the verified cycle; `emitted()` scores shadow drafts. What it knows of
-    the pair's acceptance is `learned` (from the pair's record `prior`, `prior_judged`, if any)."""
+    the pair's acceptance is `learned` (from the pair's record `prior`, if any)."""
 
     cost: CostModel
     prior: InitVar[float | None] = None  # acceptance this (target, drafter) pair showed before (None: never seen)
-    prior_judged: InitVar[float] = 0.0  # the verified positions that record rests on
     learned: Learned = field(init=False)
     _support: int | None = None  # the latest draft's match length (n-gram, history; None: not reported)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
     _left: int | None = None  # tokens this generation may still emit (None: unknown)
-    _plain_ms: float = 0.0  # plain-step time since the last probe
+    _plain_ms: float = 0.0  # plain-step time, less what probes lost ÷ (PROBE_SHARE × gain) (_probe)
     _probing: bool = False
     _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
     _context: int = 0  # tokens in the target's cache at the latest draft() call
     _rollback: list[float] | None = None  # the cost model's T_rollback at the latest draft() call
     _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
 
-    def __post_init__(self, prior: float | None, prior_judged: float) -> None:
-        self.learned = Learned(prior, prior_judged)
+    def __post_init__(self, prior: float | None) -> None:
+        self.learned = Learned(prior)
 
     def expected_gain(self, baseline_ms: float | None = None) -> tuple[float, float]:
         """Learned.expected_gain of the cost model's speedup (over `baseline_ms` a token, if given)."""
@@ -154,9 +153,14 @@ class Scheduler:
             return
         # what was drafted is paid for (a block: every row), however much of it was verified
         self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced, draft.copied)
+        if self._probing and (share := PROBE_SHARE * self.expected_gain()[0]) > 0:
+            # a probe spends plain-step time by what it lost against plain steps (one that won: none)
+            lost = (t_draft + t_verify) * 1000 - (accepted + 1) * self.cost.t_verify(context)[1]
+            self._plain_ms -= max(0.0, lost) / share
+        else:
+            self._plain_ms = 0.0
         # a free drafter's drafts are all scored in shadow, verified part included
         self.learned.observe(g, accepted, draft.confidence, scored=not self.cost.free)
-        self._plain_ms = 0.0
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None:
         """Tokens the target emitted (`probs`: its rows, sampled): shadow drafts are scored on them."""
@@ -181,8 +185,10 @@ class Scheduler:
 
     def _probe(self, limit: int, baseline_ms: float | None = None) -> int:
         """A probe's γ (0: none yet): the γ that wins at the acceptance the pair has if it wins, once
-        the plain-step time since the last probe × PROBE_SHARE × the pair's `expected_gain` covers
-        the probe's expected loss. A pair never judged is tried at once, if that gain over the reply
+        PROBE_SHARE × the pair's `expected_gain` × the plain-step time covers the probe's expected
+        loss. Probes spend that time by what they lost against plain steps (one that won spends
+        nothing, so a pair whose probes keep winning keeps being tried); drafting on the plan's own
+        merits spends all of it. A pair never judged is tried at once, if that gain over the reply
         left repays its catch-up (`baseline_ms`: the ms per token it must beat, as for plan)."""
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         fresh = self.learned.fresh
