@@ -260,6 +260,21 @@ def test_a_costly_drafter_that_could_win_big_drafts_from_the_first_cycle():
     assert sched.learned.judged == [sum(gammas), sum(gammas)]  # every verified position passed
 
 
+def test_a_dear_drafter_whose_probes_keep_winning_keeps_being_tried():
+    """A drafter at 0.6 of a step a token (the SmolLM2 Q4_1 draft model beside the F32 target on this
+    CPU) wins only at acceptance ≳ 0.9, so a fresh pair (PRIOR 0.5) is probed, not drafted. A probe
+    that wins spends none of the probe budget: probes go on while they win, until the belief says
+    drafting pays, instead of one probe per few hundred plain steps."""
+    t = _linear(14.5, 1.95)  # T(8) ≈ 1.94·T(1), as cpu-epyc-f32
+    sched = Scheduler(CostModel({k: t[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=8.7))
+    assert sched.cost.speedup(0.5, COSTLY_GAMMA) == 1.0 and sched.cost.speedup(0.98, COSTLY_GAMMA) > 1.15
+    sched.new_generation(n_prompt=10)
+    gammas = _simulate(sched, _ScriptedDrafter(token=0), t, 8.7, cycles=60)
+    assert gammas[0] > 0  # tried at once
+    assert sum(g > 0 for g in gammas) >= 50  # and then drafting nearly every cycle
+    assert sched.learned.mean() > 0.9
+
+
 def test_a_costly_drafter_that_explores_and_misses_is_switched_off_within_a_few_cycles():
     t, sched = _bandwidth_bound()
     gammas = _simulate(sched, _ScriptedDrafter(token=7), t, 3.0, cycles=300)

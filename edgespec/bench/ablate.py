@@ -22,7 +22,7 @@ from typing import Any
 
 from edgespec import calibration
 from edgespec.bench import replay, simulate
-from edgespec.schedule import acceptance, chain, costs, scheduler
+from edgespec.schedule import acceptance, costs, scheduler
 
 # name -> [(module, attribute, value)]: what the variant sets
 VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
@@ -38,8 +38,6 @@ VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
     "no slow start (SLOW_START 31)": [(scheduler, "SLOW_START", costs.K_MAX - 1)],
     "costly drafters to 31 (COSTLY_GAMMA 31)": [(scheduler, "COSTLY_GAMMA", costs.K_MAX - 1)],
     "costly drafters to 8 (COSTLY_GAMMA 8)": [(scheduler, "COSTLY_GAMMA", 8)],
-    "chain: newest generation only (FREE_WEIGHT 1, FREE_MIN_TOKENS 1)": [
-        (chain, "FREE_WEIGHT", 1.0), (chain, "FREE_MIN_TOKENS", 1)],
     "cost fit unweighted (FIT_WEIGHT_CAP 1)": [(costs, "FIT_WEIGHT_CAP", 1)],
 }
 
