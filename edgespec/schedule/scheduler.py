@@ -156,7 +156,7 @@ class Scheduler:
         if self._probing and (share := PROBE_SHARE * self.expected_gain()[0]) > 0:
             # a probe spends plain-step time by what it lost against plain steps (one that won: none)
             lost = (t_draft + t_verify) * 1000 - (accepted + 1) * self.cost.t_verify(context)[1]
-            self._plain_ms -= max(0.0, lost) / share
+            self._plain_ms = max(0.0, self._plain_ms - max(0.0, lost) / share)
         else:
             self._plain_ms = 0.0
         # a free drafter's drafts are all scored in shadow, verified part included
