@@ -1,5 +1,7 @@
 """Paired A/B summary of the runs in this folder: per (pair, temperature), old (f4c8fff) against new
-(7fe4ba4), from alternating `edgespec bench` runs (README.md). Run: python3 summarize.py"""
+(7fe4ba4; the sb and chain07 runs: 68cd688), from alternating `edgespec bench` runs (README.md); then,
+for pairs run 4 rounds a side, the A/A spread: each side's category medians of rounds 1-2 against
+rounds 3-4. Run: python3 summarize.py"""
 import collections
 import glob
 import json
@@ -37,3 +39,21 @@ for (pair, t), sides in sorted(rows.items()):
         sp[side + 'task'] = {k: statistics.median(v) for k, v in pertask.items()}
     rel = statistics.median(sp['newtask'][k] / sp['oldtask'][k] for k in sp['newtask'])
     print(f"| {pair} | {t} | {sp['old'][2]}/{sp['new'][2]} | {sp['old'][0]:.3f} | {sp['new'][0]:.3f} | {rel:.3f} | {sp['new'][1]:.3f} | {sp['old'][1]:.3f} |")
+
+print()
+print("| pair | T | category | new | old | A/A new r1-2 / r3-4 | A/A old r1-2 / r3-4 |")
+print("|---|---|---|---|---|---|---|")
+for (pair, t), sides in sorted(rows.items()):
+    if len({x[0] for x in sides['new']}) < 4:
+        continue
+    med = {}
+    for side in ('old', 'new'):
+        for part, rounds in (('all', '1234'), ('a', '12'), ('b', '34')):
+            by = collections.defaultdict(list)
+            for rnd, _, cat, s_, p_, _ in sides[side]:
+                if rnd in rounds:
+                    by[cat].append(s_ / p_)
+            med[side, part] = {c: statistics.median(v) for c, v in by.items()}
+    for cat in sorted(med['new', 'all']):
+        print(f"| {pair} | {t} | {cat} | {med['new', 'all'][cat]:.3f} | {med['old', 'all'][cat]:.3f} | "
+              f"{med['new', 'a'][cat]:.3f} / {med['new', 'b'][cat]:.3f} | {med['old', 'a'][cat]:.3f} / {med['old', 'b'][cat]:.3f} |")
