@@ -232,7 +232,6 @@ def save_profile(path: Path | None, backend: Backend, **fields) -> None:
 
 
 PAIR_DECAY = 0.7  # what a pair's older generations weigh against the newest one
-PAIR_MIN_JUDGED = 4  # verified draft positions a pair needs before its acceptance is trusted
 
 
 def pair_path(target: Backend, drafter_paths: Sequence[str], greedy: bool) -> Path | None:
@@ -290,9 +289,10 @@ def save_handoff(path: Path | None, use: bool, probed: bool, copy_ms: float, rea
 
 
 def trusted(record: Sequence[float]) -> tuple[float, float] | None:
-    """A pair record [passed, judged] as (mean acceptance, positions it rests on); None: too few."""
+    """A pair record [passed, judged] as (mean acceptance, positions it rests on); None: empty. (The
+    scheduler weighs it as the prior it replaces: a record of one position is trusted as little.)"""
     passed, judged = record
-    return (passed / judged, judged) if judged >= PAIR_MIN_JUDGED else None
+    return (passed / judged, judged) if judged > 0 else None
 
 
 def fold(record: Sequence[float], passed: float, judged: float) -> list[float]:

@@ -32,7 +32,6 @@ VARIANTS: dict[str, list[tuple[Any, str, Any]]] = {
     "optimistic prior (PRIOR 0.7)": [(acceptance, "PRIOR", 0.7)],
     "prior worth 1 position (STRENGTH 1)": [(acceptance, "STRENGTH", 1.0)],
     "pair record: the newest generation only (PAIR_DECAY 0)": [(calibration, "PAIR_DECAY", 0.0)],
-    "pair record trusted from 1 position (PAIR_MIN_JUDGED 1)": [(calibration, "PAIR_MIN_JUDGED", 1)],
     "recent rate = last outcome (RECENT 1)": [(acceptance, "RECENT", 1.0)],
     "no recent cap (RECENT 0)": [(acceptance, "RECENT", 0.0)],
     "no slow start (SLOW_START 31)": [(scheduler, "SLOW_START", costs.K_MAX - 1)],
