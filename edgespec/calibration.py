@@ -252,7 +252,7 @@ def _pair_key(target: Backend, drafter_paths: Sequence[str]) -> str | None:
 
 def pair_acceptance(target: Backend, drafter_paths: Sequence[str]) -> float | None:
     """The better of the pair's greedy and sampled mean acceptance (None: never seen)."""
-    seen = [r[0] for g in (True, False) if (r := load_acceptance(pair_path(target, drafter_paths, g)))]
+    seen = [r for g in (True, False) if (r := load_acceptance(pair_path(target, drafter_paths, g))) is not None]
     return max(seen, default=None)
 
 
@@ -288,11 +288,11 @@ def save_handoff(path: Path | None, use: bool, probed: bool, copy_ms: float, rea
                                     measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))))
 
 
-def trusted(record: Sequence[float]) -> tuple[float, float] | None:
-    """A pair record [passed, judged] as (mean acceptance, positions it rests on); None: empty. (The
-    scheduler weighs it as the prior it replaces: a record of one position is trusted as little.)"""
+def mean_acceptance(record: Sequence[float]) -> float | None:
+    """A pair record [passed, judged]'s mean acceptance of verified draft positions (None: empty). The
+    scheduler weighs it as the prior it replaces, however many positions it rests on."""
     passed, judged = record
-    return (passed / judged, judged) if judged > 0 else None
+    return passed / judged if judged > 0 else None
 
 
 def fold(record: Sequence[float], passed: float, judged: float) -> list[float]:
@@ -307,9 +307,9 @@ def _record(path: Path | None) -> list[float] | None:
         return None
 
 
-def load_acceptance(path: Path | None) -> tuple[float, float] | None:
-    """The pair record at `path`, `trusted` (None: unknown or too few)."""
-    return None if (record := _record(path)) is None else trusted(record)
+def load_acceptance(path: Path | None) -> float | None:
+    """The mean acceptance of the pair record at `path` (None: unknown)."""
+    return None if (record := _record(path)) is None else mean_acceptance(record)
 
 
 def save_acceptance(path: Path | None, passed: float, judged: float) -> None:

@@ -178,7 +178,8 @@ def test_a_warm_replay_starts_from_the_record_an_engine_keeps(monkeypatch, tmp_p
 
     rng = np.random.default_rng(5)
     ts = trace_set([random_trace(rng, f"t{i}", hit=hit, confident=True) for i in range(4)], kind="model")
-    members, dev, path = [(ts, [simulate.prepare(t, 0.0) for t in ts.traces])], bandwidth_bound(), tmp_path / "pair"
+    members = [(ts, [simulate.prepare(t, 0.0) for t in ts.traces])]
+    dev, path = bandwidth_bound(), tmp_path / "pair"
     judged, priors = [], []
     gen, init = Learned.generation_judged, Learned.__init__
     monkeypatch.setattr(Learned, "generation_judged", lambda self: judged.append(gen(self)) or judged[-1])
@@ -189,9 +190,9 @@ def test_a_warm_replay_starts_from_the_record_an_engine_keeps(monkeypatch, tmp_p
         calibration.save_acceptance(path, passed, n)
     assert record[0] == pytest.approx(json.loads(path.read_text())["judged"])
     on_disk = calibration.load_acceptance(path)
-    assert on_disk is not None and on_disk[0] == pytest.approx(record[0][0] / record[0][1])
-    warm = simulate.run_auto(members, dev, warm=True)
-    assert priors[-1] == (None,) if on_disk is None else priors[-1] == pytest.approx(on_disk[:1])
+    assert on_disk is not None and on_disk == pytest.approx(record[0][0] / record[0][1])
+    warm = simulate.run_autos(members, dev)["auto-warm"]
+    assert priors[-1] == pytest.approx((on_disk,))  # the acceptance, as Pricing.scheduler passes it
     assert replay.total(warm) >= replay.total(cold) * 0.999  # what the record says is not paid for again
 
 

@@ -2,8 +2,8 @@
 
 Every variant changes one tunable of edgespec.schedule (most often: switches its mechanism off) and
 replays `-k auto` over every trace set (chains included) on every device. A cell is one (device,
-trace set, -k auto policy, category): its speedup over plain. For each variant the report gives, against today's
-scheduler, the smallest and largest cell change, the geometric mean change, how many cells got
+trace set, -k auto policy, category): its speedup over plain. For each variant the report gives,
+against today's scheduler, the smallest and largest cell change, the geometric mean change, how many cells got
 better or worse by more than 1%, the cell that moved most, and whether the regression gate
 (replay.check) still passes. A tunable whose variants change no cell by more than 1% buys nothing
 the replay can see.
@@ -62,8 +62,7 @@ def auto_cells(sets: list, devices: list) -> tuple[dict[tuple[str, str, str, str
         for ts in sets:
             if ts.kind in dev.draft:
                 tasks = [simulate.prepare(t, ts.temperature) for t in ts.traces]
-                res[replay.set_name(ts)] = {p: simulate.run_auto([(ts, tasks)], dev, warm=p != "auto")
-                                            for p in replay.AUTO}
+                res[replay.set_name(ts)] = simulate.run_autos([(ts, tasks)], dev)
         for ch in replay.chains_of(sets):
             if all(ts.kind in dev.draft for ts in ch):
                 r = replay.replay_chain(ch, dev)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.bench import policies as pol
-from edgespec.bench.simulate import Costs, Result, oracle, prepare, run_auto, run_controller
+from edgespec.bench.simulate import Costs, Result, oracle, prepare, run_autos, run_controller
 from edgespec.bench.trace import TraceSet
 from edgespec.schedule.costs import K_MAX
 
@@ -60,7 +60,7 @@ def replay_set(ts: TraceSet, device: Any, seed: int = 0) -> dict[str, list[Resul
     """Every policy over one trace set on one device: {policy: per-task results}."""
     tasks = [prepare(t, ts.temperature, seed) for t in ts.traces]
     c = Costs(device, ts.kind)
-    res = {"auto": run_auto([(ts, tasks)], device), "auto-warm": run_auto([(ts, tasks)], device, warm=True)}
+    res = run_autos([(ts, tasks)], device)
     for g in fixed_range(ts.kind):
         res[f"k={g}"] = [run_controller(t, c, pol.Fixed(g)) for t in tasks]
     best = max((k for k in res if k.startswith("k=")), key=lambda k: total(res[k]))
@@ -81,7 +81,7 @@ def replay_chain(sets: list[TraceSet], device: Any, seed: int = 0) -> dict[str, 
     keep = [j for j in range(len(ids)) if all(m[1][j].trace.output == members[0][1][j].trace.output for m in members)]
     members = [(ts, [tasks[j] for j in keep]) for ts, tasks in members]
     costs = [Costs(device, ts.kind) for ts in sets]
-    return {"auto": run_auto(members, device), "auto-warm": run_auto(members, device, warm=True),
+    return {**run_autos(members, device),
             "oracle": [oracle([m[1][j] for m in members], costs) for j in range(len(keep))]}
 
 

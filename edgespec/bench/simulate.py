@@ -22,7 +22,7 @@ import numpy as np
 
 from edgespec.bench import policies as pol
 from edgespec.bench.trace import Trace, TraceSet
-from edgespec.calibration import fold, trusted
+from edgespec.calibration import fold, mean_acceptance
 from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
@@ -253,13 +253,18 @@ def modeled_time(clock: Clock):
             m.time = t
 
 
-def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, warm: bool = False) -> list[Result]:
+def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Result]:
     """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`, as the
-    engine's loop runs it (Engine._cycle), on modeled time. `warm`: a pair this machine has run before,
-    its schedulers starting from the pair records (edgespec.calibration.fold) a first pass over the
-    same tasks left, as an engine starts from what earlier ones kept on disk."""
-    records = _run_auto(members, device, None)[1] if warm else None
-    return _run_auto(members, device, records)[0]
+    engine's loop runs it (Engine._cycle), on modeled time: a pair's first run."""
+    return _run_auto(members, device, None)[0]
+
+
+def run_autos(members: list[tuple[TraceSet, list[Task]]], device: Any) -> dict[str, list[Result]]:
+    """run_auto as `auto` (a pair's first run) and `auto-warm` (a pair run before: its schedulers start
+    from the pair records, edgespec.calibration.fold, that first run left, as an engine starts from
+    what earlier ones kept on disk)."""
+    first, records = _run_auto(members, device, None)
+    return {"auto": first, "auto-warm": _run_auto(members, device, records)[0]}
 
 
 def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: list[list[float]] | None
@@ -270,7 +275,7 @@ def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: 
     costs = [Costs(device, ts.kind) for ts, _ in members]
     drafters = [TraceDrafter(ts, c, clock) for (ts, _), c in zip(members, costs)]
     records = [list(r) for r in records] if records else [[0.0, 0.0] for _ in members]
-    scheds = [Scheduler(c.model(), None if (t := trusted(r)) is None else t[0]) for c, r in zip(costs, records)]
+    scheds = [Scheduler(c.model(), mean_acceptance(r)) for c, r in zip(costs, records)]
     chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
     sched: Any = chain or scheds[0]
     temp = members[0][0].temperature
@@ -299,7 +304,7 @@ def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: 
                 sched.emitted(tr.output[p:p + acc + 1], None)
                 ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
             out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))
-            for j, s in enumerate(scheds):  # what the engine keeps at the end of a generation (Pricing.remember)
+            for j, s in enumerate(scheds):  # what the engine keeps after a generation (Pricing.remember)
                 passed, judged = s.learned.generation_judged()
                 if judged > 0:
                     records[j] = fold(records[j], passed, judged)

@@ -145,8 +145,8 @@ class Pricing:
         assert self.t_forward is not None
         cost = CostModel.for_drafter(self.t_forward, self.draft_cost.get(drafter), ctx_ms=self.ctx_ms,
                                      base_context=CONTEXT_TOKENS, recurrent=self.target.recurrent)
-        record = load_acceptance(self.pair_path(drafter, greedy)) if self._scope is None else None
-        learned[key] = Scheduler(cost, None if record is None else record[0])
+        prior = load_acceptance(self.pair_path(drafter, greedy)) if self._scope is None else None
+        learned[key] = Scheduler(cost, prior)
         return learned[key]
 
     def remember(self, drafter: Drafter, greedy: bool) -> None:
