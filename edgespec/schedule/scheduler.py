@@ -19,9 +19,11 @@ wins, plain steps run and learning goes on:
   shadow draft is scored against what the target emits, as verification would have;
 - a costly drafter (a draft model, a head) is probed. The speedup g(a) the cost model gives each
   acceptance a, integrated over the belief, gives the gain speculation is expected to add; probes
-  may lose, in all, PROBE_SHARE × that gain of the plain steps' time. Each verified position narrows the
-  belief, so a drafter that cannot win stops being probed, and one that could keeps being tried in
-  proportion to what it could win. A pair never judged is tried at once.
+  may lose, in all, PROBE_SHARE × that gain of the plain steps' time. Each probe spends that time by
+  what it lost against plain steps (one that won: nothing, so a pair whose probes keep winning keeps
+  being tried); drafting on the plan's own merits spends all of it. Each verified position narrows
+  the belief, so a drafter that cannot win stops being probed, and one that could keeps being tried
+  in proportion to what it could win. A pair never judged is tried at once.
 """
 
 from __future__ import annotations
@@ -184,12 +186,9 @@ class Scheduler:
         return self.learned.survival(confidence, n, self._sampled)
 
     def _probe(self, limit: int, baseline_ms: float | None = None) -> int:
-        """A probe's γ (0: none yet): the γ that wins at the acceptance the pair has if it wins, once
-        PROBE_SHARE × the pair's `expected_gain` × the plain-step time covers the probe's expected
-        loss. Probes spend that time by what they lost against plain steps (one that won spends
-        nothing, so a pair whose probes keep winning keeps being tried); drafting on the plan's own
-        merits spends all of it. A pair never judged is tried at once, if that gain over the reply
-        left repays its catch-up (`baseline_ms`: the ms per token it must beat, as for plan)."""
+        """A probe's γ (0: none yet; the module docstring says when): the γ that wins at the acceptance
+        the pair has if it wins. A pair never judged is tried at once, if its expected gain over the
+        reply left repays its catch-up (`baseline_ms`: the ms per token it must beat, as for plan)."""
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(self._context)
         fresh = self.learned.fresh
         base = min(baseline_ms, t_verify[1]) if fresh and baseline_ms is not None else None
