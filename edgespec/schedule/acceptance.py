@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from edgespec.schedule.costs import K_MAX
+from edgespec.schedule.costs import K_MAX, token_sums
 
 
 class Acceptance:
@@ -95,6 +95,7 @@ PRIOR = 0.5  # a pair never seen: its acceptance estimate starts here ...
 STRENGTH = 4.0  # ... worth this many verified positions (so are a pair's record and each generation's start)
 RECENT = 0.1  # weight of the newest first-token outcome in the recent hit rate
 _GRID = (np.arange(256) + 0.5) / 256  # acceptance values the belief is integrated over
+_LOG_GRID, _LOG_MISS, _GRID_SUMS = np.log(_GRID), np.log1p(-_GRID), token_sums(_GRID, K_MAX - 1)
 
 
 class Learned:
@@ -131,14 +132,15 @@ class Learned:
         a, b = self.belief()
         return a / (a + b)
 
-    def expected_gain(self, speedup: Callable[[np.ndarray], np.ndarray]) -> tuple[float, float]:
-        """E[max(g − 1, 0)] over the belief in the acceptance a, g = speedup(a): what speculation is
-        expected to add once found; and E[a | g > 1], the acceptance the pair has if it wins."""
+    def expected_gain(self, speedup: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, float]:
+        """E[max(g − 1, 0)] over the belief in the acceptance a, g = speedup(a, costs.token_sums(a, K_MAX
+        − 1)): what speculation is expected to add once found; and E[a | g > 1], the acceptance the
+        pair has if it wins."""
         a, b = self.belief()
-        logw = (a - 1.0) * np.log(_GRID) + (b - 1.0) * np.log1p(-_GRID)
+        logw = (a - 1.0) * _LOG_GRID + (b - 1.0) * _LOG_MISS
         w = np.exp(logw - logw.max())
         w /= w.sum()
-        g = speedup(_GRID)
+        g = speedup(_GRID, _GRID_SUMS)
         win = w * (g > 1.0)
         if win.sum() <= 0:
             return 0.0, 0.0

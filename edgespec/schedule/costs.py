@@ -23,6 +23,13 @@ K_MAX = 32  # most tokens one verification pass checks (γ ≤ K_MAX − 1)
 FIT_WEIGHT_CAP = 8  # a draft length's weight in the fit grows with its samples up to this many
 
 
+def token_sums(acceptance: float | np.ndarray, longest: int) -> np.ndarray:
+    """[..., γ] = 1 + a + … + a^γ for γ = 0..longest: the tokens a cycle of γ drafts yields when each
+    is accepted with probability a (elementwise for an array)."""
+    a = np.asarray(acceptance, dtype=float)[..., None]
+    return np.cumsum(a ** np.arange(longest + 1), axis=-1)
+
+
 class RobustTime:
     """An EMA of running medians: one slow outlier moves nothing, a lasting shift moves it within a
     few samples. With a `prior` (> 0) the EMA starts from it, so the first sample is no more trusted
@@ -85,6 +92,7 @@ class CostModel:
         self.recurrent = recurrent
         self.restore = RobustTime()  # a rollback's ms beyond re-evaluating the kept tokens
         self._verify: list[float] | None = None
+        self._verify_at: tuple[int, list[float]] = (-1, [])  # t_verify at the latest context asked
         self._draft = self._line(draft_fixed_ms, draft_per_token_ms)
 
     @property
@@ -191,10 +199,15 @@ class CostModel:
         """[k] = expected ms of a k-token verification after `context` cached tokens (None:
         base_context; index 0 unused)."""
         if self._verify is None:
-            self._verify = [v.value if v.n else p * self.speed for v, p in zip(self.verify, self.prior)]
+            speed = self.speed
+            self._verify = [v.value if v.n else p * speed for v, p in zip(self.verify, self.prior)]
+            self._verify_at = (-1, self._verify)
         if not self.ctx_ms or context is None or context <= self.base_context:
             return self._verify
-        return [t + self._attention(k, context) for k, t in enumerate(self._verify)]
+        if self._verify_at[0] != context:  # asked several times a cycle: kept for the latest context
+            c, d = self.ctx_ms, context - self.base_context
+            self._verify_at = (context, [t + k * c * d for k, t in enumerate(self._verify)])
+        return self._verify_at[1]
 
     def _attention(self, k: int, context: int | None) -> float:
         return 0.0 if context is None else k * self.ctx_ms * max(0, context - self.base_context)
@@ -204,12 +217,13 @@ class CostModel:
         speed = self.speed
         return self._draft if speed == 1.0 else [t * speed for t in self._draft]
 
-    def speedup(self, acceptance: float | np.ndarray, longest: int) -> float | np.ndarray:
+    def speedup(self, acceptance: float | np.ndarray, longest: int, sums: np.ndarray | None = None
+                ) -> float | np.ndarray:
         """The speedup over plain steps these costs give a drafter whose every token is accepted with
-        probability `acceptance` (elementwise for an array), at its best γ ≤ `longest`."""
+        probability `acceptance` (elementwise for an array), at its best γ ≤ `longest` (`sums`: its
+        token_sums up to at least `longest`, if already known)."""
         t_verify = self.t_verify()
-        a = np.asarray(acceptance, dtype=float)[..., None]
-        tokens = np.cumsum(a ** np.arange(longest + 1), axis=-1)  # 1 + S_1 + ... + S_γ with S_i = a^i
+        tokens = token_sums(acceptance, longest) if sums is None else sums[..., :longest + 1]
         ms = np.asarray(self.t_draft()[:longest + 1]) + np.asarray(t_verify[1:longest + 2])
         out = (tokens / ms).max(axis=-1) * t_verify[1]
         return float(out) if out.ndim == 0 else out

@@ -76,7 +76,7 @@ class Scheduler:
     def expected_gain(self, baseline_ms: float | None = None) -> tuple[float, float]:
         """Learned.expected_gain of the cost model's speedup (over `baseline_ms` a token, if given)."""
         scale = 1.0 if baseline_ms is None else baseline_ms / self.cost.t_verify()[1]
-        return self.learned.expected_gain(lambda a: self.cost.speedup(a, COSTLY_GAMMA) * scale)
+        return self.learned.expected_gain(lambda a, sums: self.cost.speedup(a, COSTLY_GAMMA, sums) * scale)
 
     def plan(self, context: int, limit: int, extra_ms: float = 0.0, baseline_ms: float | None = None
              ) -> tuple[int, float]:
