@@ -2,9 +2,10 @@
 
 A checkpoint directory's config.json decides the converter: EAGLE-3 (``heads.convert_eagle3``:
 the EAGLE repo's traineagle3 layout, SpecForge's LlamaForCausalLMEagle3, vLLM speculators'
-Eagle3Speculator) or DFlash v1 (``heads.convert_dflash``: z-lab's DFlashDraftModel). The result
-is the same GGUF edgespec's own heads use (``heads.gguf_io`` / ``heads.dflash_gguf``: llama.cpp's
-eagle3 / dflash layouts), with the target's vocabulary, so every head runner reads it.
+Eagle3Speculator), DFlash v1 (``heads.convert_dflash``: z-lab's DFlashDraftModel) or Medusa
+(``heads.convert_medusa``: FasterDecoding's medusa_lm_head). The result is the same GGUF edgespec's
+own heads use (``heads.gguf_io`` / ``heads.dflash_gguf``: llama.cpp's eagle3 / dflash layouts;
+``heads.medusa``: edgespec's medusa layout), with the target's vocabulary, so every head runner reads it.
 
 ``cached_head`` converts a directory once per content: the key hashes config.json and every weight
 file (sha256, remembered per file size and mtime in ``$EDGESPEC_HOME/heads/hashes.json``), the
@@ -24,35 +25,41 @@ from typing import Any
 from edgespec.heads.convert_dflash import dflash_layout
 from edgespec.heads.convert_eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from edgespec.heads.convert_eagle3 import eagle3_layout
+from edgespec.heads.convert_medusa import medusa_layout
 from edgespec.heads.hf_checkpoint import CheckpointError, read_checkpoint, read_target
 
 CONVERTER_VERSION = 1  # part of the cache key: bump when the output changes
 OUTTYPES = ("f16", "q8_0", "f32")
-KNOWN = (f"EAGLE-3 ({', '.join(EAGLE3_ARCHITECTURES)}, or EAGLE's LlamaForCausalLM with draft_vocab_size) "
-         "and DFlash v1 (DFlashDraftModel)")
+KNOWN = (f"EAGLE-3 ({', '.join(EAGLE3_ARCHITECTURES)}, or EAGLE's LlamaForCausalLM with draft_vocab_size), "
+         "DFlash v1 (DFlashDraftModel) and Medusa (medusa_lm_head.safetensors)")
+NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "medusa": "Medusa"}
 Note = Callable[[str], None]
 
 
 def head_layout(config: dict[str, Any]) -> tuple[str, str] | None:
-    """("eagle3" | "dflash", layout name) for a head checkpoint's config.json, None if it names no
-    head; CheckpointError for a head family edgespec refuses (DFlash2, DSpark)."""
+    """("eagle3" | "dflash" | "medusa", layout name) for a head checkpoint's config.json, None if it
+    names no head; CheckpointError for a head family edgespec refuses (DFlash2, DSpark)."""
     layout = eagle3_layout(config)
     if layout is not None:
         return "eagle3", layout
     layout = dflash_layout(config)
-    return None if layout is None else ("dflash", layout)
+    if layout is not None:
+        return "dflash", layout
+    layout = medusa_layout(config)
+    return None if layout is None else ("medusa", layout)
 
 
 def is_head_checkpoint(spec: str | os.PathLike[str]) -> bool:
     """Whether ``spec`` is a directory whose config.json names a head architecture (refused ones
-    included, so that converting them says why). Reads config.json only."""
+    included, so that converting them says why; Medusa not: no drafter runs it yet). Reads config.json only."""
     p = Path(spec).expanduser()
     try:
         config = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
         return False
     try:
-        return isinstance(config, dict) and head_layout(config) is not None
+        kind = head_layout(config) if isinstance(config, dict) else None
+        return kind is not None and kind[0] != "medusa"  # `--drafter` runs no Medusa heads yet (#50)
     except CheckpointError:
         return True
 
@@ -98,6 +105,15 @@ def convert_head(head_dir: str | os.PathLike, target: str | os.PathLike, out: st
             e3, tensors = convert_eagle3(ckpt, layout, tgt, say)
             write_eagle3_gguf(tmp, e3, tensors, vocab_source=tgt.path, weight_type=outtype,
                               name=f"{ckpt.path.name} ({layout} EAGLE-3)", extra_kv=extra)
+        elif arch == "medusa":
+            from edgespec.heads.convert_medusa import convert_medusa
+            from edgespec.heads.medusa import write_medusa_gguf
+
+            md, tensors = convert_medusa(ckpt, tgt, say)
+            base = ckpt.config.get("base_model_name_or_path")
+            write_medusa_gguf(tmp, md, tensors, vocab_source=tgt.path, weight_type=outtype,
+                              name=f"{ckpt.path.name} ({layout} heads)",
+                              extra_kv=extra | ({"edgespec.head.base_model": str(base)} if base else {}))
         else:
             from edgespec.heads.convert_dflash import convert_dflash
             from edgespec.heads.dflash_gguf import write_dflash_gguf
@@ -110,7 +126,7 @@ def convert_head(head_dir: str | os.PathLike, target: str | os.PathLike, out: st
         raise CheckpointError(f"cannot convert {ckpt.path}: {e}") from None
     finally:
         tmp.unlink(missing_ok=True)
-    say(f"wrote {out}: {'EAGLE-3' if arch == 'eagle3' else 'DFlash'} head ({layout} layout) for {tgt.path.name}, "
+    say(f"wrote {out}: {NAMES[arch]} head ({layout} layout) for {tgt.path.name}, "
         f"{outtype}")
     return out
 
