@@ -208,6 +208,7 @@ class LlamaCppBackend(_VocabCalls):
             256 cells, so they no longer match batched verification bit for bit; Q8_0 caches do,
             at the same measured speed and half the memory (docs/known-limits.md).
         verbose: print llama.cpp's log while this backend is open (deps.show_llama_log).
+        tree_leaves: most leaves of a draft tree (llama_tree.eval_tree); > 0: unified KV, 1 + that many seqs.
 
     ``recurrent`` is True for recurrent and hybrid models (llama_model_is_recurrent / _is_hybrid):
     ``checkpoint`` then saves the recurrent layers' state (llama_state_seq_get_data_ext with
@@ -220,7 +221,7 @@ class LlamaCppBackend(_VocabCalls):
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, threads: int | None = None,
                  n_gpu_layers: int = 0, n_batch: int = 512, use_extra_bufts: bool = False,
-                 kv_type: str = "auto", verbose: bool = False) -> None:
+                 kv_type: str = "auto", verbose: bool = False, tree_leaves: int = 0) -> None:
         if kv_type not in (*KV_TYPES, "auto"):
             raise BackendError(f"kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})")
         super().__init__(verbose)
@@ -237,7 +238,7 @@ class LlamaCppBackend(_VocabCalls):
         cp = ll.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads = cp.n_threads_batch = threads
-        cp.n_seq_max = 1
+        cp.n_seq_max, cp.kv_unified = 1 + tree_leaves, tree_leaves > 0  # a seq per tree leaf (llama_tree)
         cp.swa_full = True  # sliding-window caches (Gemma 3) must keep what rollback may return to
         cp.no_perf = True
         self._configure_context(cp)
