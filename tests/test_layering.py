@@ -17,7 +17,7 @@ PACKAGE = ROOT / "edgespec"
 MAX_LINES = 400
 
 # lowest first; a layer imports only layers listed before it
-LAYERS = ["errors", "text", "gguf_file", "models", "sampling", "chat", "verify", "backends", "heads",
+LAYERS = ["errors", "text", "gguf_file", "models", "sampling", "chat", "verify", "tree", "backends", "heads",
           "calibration", "drafters", "schedule", "stats", "generation", "engine", "session", "api",
           "server", "bench", "train", "cli", "edgespec"]
 APPS = {"server", "bench", "train", "cli"}
