@@ -20,8 +20,9 @@ protocol the mlx-lm model classes use (mlx-lm 0.32.2):
     LlamaModel / Gemma3Model.__call__, llama.py:187 and gemma3_text.py:195, with the sliding window
     where a layer slides). The stand-in returns a boolean (n+1, 1, 1, n_past+n+1) mask, the type
     mlx-lm's create_causal_mask makes: a node sees every context key (within the window) and the
-    keys of its ancestors and itself (window counted in positions). mx.fast.scaled_dot_product_attention applies it as an additive
-    0 / -inf mask (models/base.py:132 scaled_dot_product_attention).
+    keys of its ancestors and itself (window counted in positions).
+    mx.fast.scaled_dot_product_attention applies it as an additive 0 / -inf mask (models/base.py:132
+    scaled_dot_product_attention).
   * `update_and_fetch(keys, values)`: the tree's (n+1, kv_heads, 1, d) keys/values are laid along the
     sequence axis and written after the context through the real KVCache, which returns the
     context + tree keys; they are broadcast to the n+1 batch rows (each query a single token).
