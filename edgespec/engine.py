@@ -26,7 +26,7 @@ import numpy as np
 
 from edgespec.backends.base import Backend
 from edgespec.calibration import CostProfile
-from edgespec.drafters.base import Draft, Drafter, reusable_prefix
+from edgespec.drafters.base import Draft, Drafter, can_draft_trees, reusable_prefix
 from edgespec.errors import ContextOverflowError, EdgespecError, EngineBusyError
 from edgespec.generation import Chunk, Generating, cut
 from edgespec.sampling import Dist, SamplingParams
@@ -36,6 +36,7 @@ from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import K_MAX, check_num_draft
 from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
+from edgespec.tree_step import check_tree, tree_cycle
 from edgespec.verify import accept_greedy, verify_stochastic
 
 log = logging.getLogger("edgespec")
@@ -65,8 +66,9 @@ class Engine(Generating):
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int | str = "auto",
-                 pricing: Pricing | None = None) -> None:
+                 pricing: Pricing | None = None, tree: int | str = "off") -> None:
         self.target = target
+        self.tree, self._tree_ops = check_tree(tree), None  # trees of up to `tree` nodes (tree_step); 0: off
         self.drafter = drafter  # may be swapped between generations (bench): schedulers are per drafter
         self.pricing = pricing or Pricing(target)
         self.num_draft = check_num_draft(num_draft)
@@ -121,6 +123,8 @@ class Engine(Generating):
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
+        if self.tree and gamma == "auto":
+            raise EdgespecError("draft trees (tree=N) need a fixed num_draft γ, their depth: auto prices chains only")
         # the lock comes before anything that touches the target: calibration resets its KV cache
         # generations stop an idle timing run, until LEARN_REPLIES were plain: then they wait for it
         # (back-to-back requests would stop every one, and never speculate)
@@ -333,6 +337,8 @@ class Engine(Generating):
                stats: Stats, sched: Scheduling | None) -> tuple[list[int], int]:
         """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
         Returns (emitted tokens, drafts accepted)."""
+        if self.tree and gamma > 0 and can_draft_trees(self.drafter):
+            return tree_cycle(self, pending, gamma, params, rng, stats)
         t0, n_cached = time.perf_counter(), len(self._kv)
         draft, plan = Draft([]), None
         if gamma > 0:

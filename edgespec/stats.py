@@ -52,6 +52,7 @@ class Stats:
     predicted_s: float = 0.0  # and its expected time for them
     peak_rss_mb: float = 0.0
     by_member: Counter[str] = field(default_factory=Counter)  # a chain's cycles verified per member
+    tree_cycles: int = 0  # cycles that verified a draft tree (their `cycles` entry: nodes, path length)
 
     @property
     def t_decode(self) -> float:
@@ -144,7 +145,7 @@ class Stats:
         out = Stats()
         for name in ("n_prompt", "n_prompt_evaluated", "n_tokens", "t_prefill", "t_draft", "t_verify", "t_other",
                      "t_plain", "t_window", "t_schedule", "t_rollback", "n_rollbacks", "n_planned", "n_probes",
-                     "predicted_tokens", "predicted_s"):
+                     "predicted_tokens", "predicted_s", "tree_cycles"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.cycles = self.cycles + other.cycles
         out.by_member = self.by_member + other.by_member

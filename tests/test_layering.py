@@ -18,7 +18,7 @@ MAX_LINES = 400
 
 # lowest first; a layer imports only layers listed before it
 LAYERS = ["errors", "text", "gguf_file", "models", "sampling", "chat", "verify", "tree", "backends", "heads",
-          "calibration", "drafters", "schedule", "stats", "generation", "engine", "session", "api",
+          "calibration", "drafters", "schedule", "stats", "generation", "tree_step", "engine", "session", "api",
           "server", "bench", "train", "cli", "edgespec"]
 APPS = {"server", "bench", "train", "cli"}
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from edgespec.backends.base import Backend, FeatureBackend
 from edgespec.sampling import SamplingParams, process_rows
+from edgespec.tree import DraftTree
 
 
 @dataclass
@@ -129,6 +130,23 @@ class Drafter(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also propose a tree of alternatives (edgespec.tree.DraftTree)."""
+
+    def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
+                   rng: np.random.Generator) -> DraftTree:
+        """Propose a tree of at most `max_nodes` nodes, none deeper than `max_depth`, to follow
+        `context` (parent -1: the pending last token of `context`). Siblings are in the order they were drawn; greedy, the first child
+        is the drafter's first choice. Sampled, a node's q row is the processed distribution it was
+        drawn from before its earlier siblings were removed (siblings drawn without replacement;
+        None: deterministic drafts), as DraftTree says."""
+        ...
+
+
+def can_draft_trees(drafter: Drafter | None) -> bool:
+    return callable(getattr(drafter, "draft_tree", None))
 
 
 @dataclass(frozen=True)

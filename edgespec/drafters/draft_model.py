@@ -9,8 +9,10 @@ import numpy as np
 
 from edgespec.backends.base import Backend
 from edgespec.drafters.base import Draft, DraftCost, confidence, reusable_prefix
+from edgespec.drafters.tree_draft import side_tree
 from edgespec.errors import ContextOverflowError, VocabMismatchError
 from edgespec.sampling import SamplingParams, process_rows, sample
+from edgespec.tree import DraftTree
 
 if TYPE_CHECKING:
     from edgespec.backends.llama_kv import KvHandoff
@@ -22,6 +24,7 @@ DRAFT_CONTEXT = 16  # cached tokens a draft model's T(1) and T(2) are timed afte
 DRAFT_REPEATS = 5  # ... in this many alternating repeats (fewer spread the prior more: docs/experiments/
 # bandwidth-regime.md, "The first generation")
 VOCAB_CHECK_START_TOKEN_ID = 5
+_RANK = SamplingParams(temperature=1.0)  # greedy trees rank a position's alternatives by its softmax
 _VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo-2"}  # llama_vocab_type
 
 
@@ -80,6 +83,7 @@ class DraftModelDrafter:
         self.paths = (model.path,)
         self.handoff = handoff
         self._kv: list[int] = []  # tokens in the draft model's KV cache
+        self._dists: list[np.ndarray] | None = None  # draft_tree: each position's distribution, kept
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
@@ -104,6 +108,8 @@ class DraftModelDrafter:
                 if params.greedy:  # q is one-hot: no row is built, the argmax among the target's ids
                     conf.append(confidence(logits, None))
                     x = int(logits[:self.n_vocab].argmax())
+                    if self._dists is not None:
+                        self._dists.append(_fit(process_rows(logits[None], _RANK)[0].dense(), self.n_vocab))
                 else:
                     p = process_rows(logits[None], params)[0]
                     q = _fit(p.dense(), self.n_vocab)  # (V_target,)
@@ -114,11 +120,25 @@ class DraftModelDrafter:
                 if not params.greedy:  # q is p itself unless the vocabularies differ in size: then draw from q
                     x = p.sample(rng) if q.shape[0] == p.n_vocab else sample(q, rng)
                     rows.append(q)
+                    if self._dists is not None:
+                        self._dists.append(q)
                 tokens.append(x)
                 feed = [x]
         except ContextOverflowError:
             pass  # draft what fits; the target checks the context limit itself
         return Draft(tokens, np.stack(rows) if rows else None, conf, synced, copied=copied)
+
+    def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
+                   rng: np.random.Generator) -> DraftTree:
+        """A chain of up to max_depth tokens and, beside them, the alternatives its own forwards rank
+        next, up to max_nodes in all (drafters.tree_draft.side_tree)."""
+        self._dists = []
+        try:
+            chain = self.draft(context, min(max_depth, max_nodes), params, rng)
+            dists = self._dists[: len(chain.tokens)]
+        finally:
+            self._dists = None
+        return side_tree(chain.tokens, dists, max_nodes, chain.q, rng, chain.confidence)
 
     def _handed(self, missed: int, n_context: int) -> bool:
         """Take the target's cells (it holds exactly the context but its last token) when copying

@@ -1,0 +1,70 @@
+"""Draft trees from a chain's own forward passes: the chain a drafter drew, plus, beside each of its
+tokens, the alternatives its distribution there ranks next (leaves: no forward is spent on them).
+
+The chain x̃₁..x̃_D comes first (node i at depth i+1, the first child of its parent), then the side
+leaves: an alternative y at depth i+1 is worth reach(i)·d_i(y), reach(i) = d_0(x̃₁)···d_{i-1}(x̃ᵢ)
+the chance the chain gets there by the drafter's own distributions d, and the best of them fill the
+node budget (EAGLE-2's reranking by cumulative confidence, on a chain's frontier). Greedy, the
+alternatives are the next most likely tokens (deterministic, q None). Sampled, a position's siblings
+x̃ᵢ, y₁, y₂, … are draws without replacement from its q row (Gumbel top-k), and every sibling carries
+that row, as tree.DraftTree's convention asks. How many alternatives a position gets is then fixed
+before they are drawn, from the chain alone: a count that looked at the alternatives drawn would bias
+the output (as a draft cut by q(x̃ᵢ) would); one that looks only at earlier draws keeps verification
+lossless (tree.verify_tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from edgespec.tree import DraftTree
+
+
+def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], max_nodes: int,
+              q: npt.NDArray[np.float64] | None, rng: np.random.Generator | None = None,
+              confidence: Sequence[float] | None = None) -> DraftTree:
+    """The chain `tokens` (dists[i]: the drafter's distribution its token i came from, (V,)) and up
+    to max_nodes − len(tokens) side leaves (module docstring). q: the chain's sampled rows (D, V),
+    or None when greedy; sampled, `rng` draws the alternatives."""
+    d = len(tokens)
+    tokens, parents = list(tokens[:max_nodes]), list(range(-1, min(d, max_nodes) - 1))
+    room = max_nodes - len(tokens)
+    if room <= 0 or d == 0:
+        return DraftTree(tokens, parents, None if q is None else q[:len(tokens)],
+                         None if confidence is None else list(confidence[:len(tokens)]))
+    reach = np.cumprod([1.0, *(float(dists[i][tokens[i]]) for i in range(d - 1))])
+    if q is None:  # greedy: the alternatives themselves are ranked (deterministic: nothing to bias)
+        cands = [(reach[i] * float(dists[i][y]), i, int(y)) for i in range(d)
+                 for y in np.argsort(-np.asarray(dists[i]), kind="stable")[: room + 1] if y != tokens[i]]
+        picked = sorted(cands, key=lambda c: -c[0])[:room]
+        alts = {i: [y for _, j, y in sorted(picked, key=lambda c: -c[0]) if j == i] for i in range(d)}
+    else:  # sampled: how many a position gets is fixed before they are drawn (by the mass its
+        # chain token leaves, reach(i)·(1 − q_i(x̃ᵢ)), the k-th alternative counted at 1/k of it),
+        # then they are drawn without replacement after its chain token (Gumbel top-k)
+        assert rng is not None
+        left = [reach[i] * (1.0 - float(q[i][tokens[i]])) for i in range(d)]
+        slots = sorted(((left[i] / k, i) for i in range(d) for k in range(1, room + 1)), key=lambda c: -c[0])
+        count = [0] * d
+        for _, i in slots[:room]:
+            count[i] += 1
+        alts = {}
+        for i in range(d):
+            with np.errstate(divide="ignore"):
+                keys = np.log(q[i]) + rng.gumbel(size=q[i].shape)
+            keys[tokens[i]] = -np.inf
+            order = np.argsort(-keys, kind="stable")[: count[i]]
+            alts[i] = [int(y) for y in order if np.isfinite(keys[y])]  # not the chain's token, q > 0
+    rows = None if q is None else [q[i] for i in range(d)]
+    conf = None if confidence is None else list(confidence[:d])
+    for i in range(d):
+        for y in alts[i]:
+            tokens.append(y)
+            parents.append(i - 1)
+            if rows is not None:
+                rows.append(q[i])
+            if conf is not None:
+                conf.append(float(reach[i] * dists[i][y]))
+    return DraftTree(tokens, parents, None if rows is None else np.stack(rows), conf)
