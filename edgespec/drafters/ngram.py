@@ -9,6 +9,7 @@ import numpy as np
 
 from edgespec.drafters.base import Draft
 from edgespec.sampling import SamplingParams
+from edgespec.tree import DraftTree
 
 MAX_SUPPORT = 16
 SYNC_WINDOW = 64  # tokens compared to tell an extension of the indexed context from a new one
@@ -74,6 +75,32 @@ class NgramDrafter:
                 s = int(starts[-1]) + n  # continuation begins right after the match
                 return ctx[s: min(s + gamma, L)].tolist()
         return []
+
+    def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
+                   rng: np.random.Generator) -> DraftTree:
+        """The continuations of every earlier occurrence of the longest suffix n-gram that has one,
+        most recent first, merged where they agree, up to max_nodes nodes: the first child at each
+        level is what `draft` copies (the latest match). A scan of the context (O(context) a call)."""
+        ctx = np.asarray(context, dtype=np.int64)
+        L, tokens, parents = len(ctx), [], []
+        kids: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            starts = np.flatnonzero(ctx[: L - n] == ctx[L - n])
+            for j in range(1, n):
+                starts = starts[ctx[starts + j] == ctx[L - n + j]]
+            for s in starts[::-1] + n:  # continuations, latest first
+                node = -1
+                for t in ctx[s: min(s + max_depth, L)].tolist():
+                    if (node, t) not in kids:
+                        if len(tokens) == max_nodes:
+                            break
+                        kids[node, t] = len(tokens)
+                        tokens.append(t)
+                        parents.append(node)
+                    node = kids[node, t]
+            if tokens:
+                break
+        return DraftTree(tokens, parents)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> None:
         """None: a lookup costs microseconds, nothing the scheduler needs to price."""
