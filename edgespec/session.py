@@ -68,6 +68,11 @@ class Plan:
         drafters.mtp, drafters.assistant)."""
         return any(m.kind in ("mtp", "assistant") for d in self.drafters for m in d.parts)
 
+    @property
+    def hidden(self) -> bool:
+        """Whether a drafter reads the target's final-norm hidden states (drafters.medusa)."""
+        return any(m.kind == "medusa" for d in self.drafters for m in d.parts)
+
 
 def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,
          num_draft: int | str = "auto", **options: Any) -> Plan:
@@ -110,7 +115,7 @@ class Session:
         opts = asdict(plan.options)
         with ExitStack() as opened:  # a failure closes what was opened before it
             target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, mtp=plan.mtp,
-                                                       **opts))
+                                                       hidden=plan.hidden, **opts))
             for d in plan.drafters:
                 drafter = self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
                 opened.callback(drafter.close)
@@ -131,7 +136,7 @@ class Session:
     def plain_engine(self) -> Engine:
         """An engine for plain decoding on the same file: the session's own, unless its target
         captures features for a head or MTP rows (a plain baseline must not pay for that)."""
-        if self.plan.layers is None and not self.plan.mtp:
+        if self.plan.layers is None and not self.plan.mtp and not self.plan.hidden:
             return self.engine
         if self._plain is None:
             self._plain = Engine(open_backend(self.plan.target, self.plan.backend, **asdict(self.plan.options)))

@@ -4,8 +4,9 @@ A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt looku
 [@CORPUS_FILE]" (lookup in the context, earlier ones and a corpus), a GGUF path or known model name with the
 target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3 ("eagle3") or DFlash ("dflash"; DSpark
 with the Markov head, markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted
-once against the target and cached (drafters.heads), or "mtp": the target's own MTP layers (drafters.mtp;
-its target is opened with `mtp=True`).
+once against the target and cached (drafters.heads), "mtp": the target's own MTP layers (drafters.mtp;
+its target is opened with `mtp=True`), or a Medusa head GGUF ("medusa": drafters.medusa, llama.cpp only;
+its target is opened with `hidden=True`, keeping its final-norm hidden states).
 
 `plan_drafter` reads a spec once, with file work only (names resolved, a checkpoint converted, a head's
 header read and checked against the target's), into a frozen DrafterPlan; `open_drafter` opens a plan
@@ -35,7 +36,7 @@ class DrafterPlan:
     """A drafter spec, read once: what `open_drafter` opens."""
 
     spec: str  # as the user named it (messages and bench configs quote it)
-    kind: str  # "ngram", "history", "model", "head", "mtp", "assistant" or "chain"
+    kind: str  # "ngram", "history", "model", "head", "mtp", "assistant", "medusa" or "chain"
     path: Path | None = None  # a draft model's file (or MLX directory); a head's GGUF
     numbers: tuple[int, ...] = ()  # ngram: N_MAX[, N_MIN]; history: MAX_TOKENS
     corpus: Path | None = None  # history's corpus file
@@ -99,6 +100,10 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
             raise EdgespecError(f"the Gemma-4 assistant {text} drafts on llama.cpp only (not --backend {backend})")
         return DrafterPlan(text, "assistant", Path(spec).expanduser())
     spec = converted(spec, target)
+    from edgespec.drafters.heads import head_arch
+
+    if head_arch(spec) == "medusa":  # Medusa heads: read the target's final-norm hidden state (drafters.medusa)
+        return _plan_medusa(text, Path(spec).expanduser(), target, backend)
     head = read_head(spec)
     if head is not None:
         if target is not None:
@@ -107,6 +112,18 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
     from edgespec.models import resolve_model
 
     return DrafterPlan(text, "model", plan_model(resolve_model(str(spec)), backend))
+
+
+def _plan_medusa(text: str, path: Path, target: Path | None, backend: str) -> DrafterPlan:
+    if backend != "llama.cpp":
+        raise EdgespecError(f"the Medusa heads {text} draft on llama.cpp only (not --backend {backend})")
+    from edgespec.drafters.medusa import check_medusa_target_header, read_medusa_header
+
+    if target is not None:
+        check_medusa_target_header(path, target)  # hidden size and vocabulary, from both headers
+    else:
+        read_medusa_header(path)
+    return DrafterPlan(text, "medusa", path)
 
 
 def _plan_chain(text: str, target: Path | None, backend: str) -> DrafterPlan:
@@ -130,7 +147,7 @@ def _numbers(text: str, name: str, most: int, usage: str) -> tuple[int, ...]:
 
 
 def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] | None = None,
-                 mtp: bool = False, **options: Any) -> Backend:
+                 mtp: bool = False, hidden: bool = False, **options: Any) -> Backend:
     """Open a resolved model file (on "mlx" also an mlx-lm directory) on `backend`; with `layers`, a
     target that also captures the hidden states at those layer ids (for a feature head).
 
@@ -139,6 +156,8 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
         backend: "llama.cpp" or "mlx".
         layers: target layer ids whose inputs a feature head reads (None: a plain backend).
         mtp: a target loaded with its MTP layers that keeps their input rows (drafters.mtp).
+        hidden: a llama.cpp target that keeps its final-norm hidden states (Medusa heads:
+            backends.llama_hidden).
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
     check_backend(backend)
@@ -151,6 +170,13 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
         from edgespec.backends.llama_mtp import LlamaMtpTarget
 
         return LlamaMtpTarget(path, **options)
+    if hidden:
+        if layers is not None or mtp or backend != "llama.cpp":
+            raise EdgespecError(f"Medusa heads draft on llama.cpp alone (backend {backend!r}, head layers {layers}, "
+                                f"mtp {mtp})")
+        from edgespec.backends.llama_hidden import LlamaHiddenBackend
+
+        return LlamaHiddenBackend(path, **options)
     if layers is not None:
         options["layers"] = tuple(layers)
     return _BACKENDS[backend, layers is not None]()(path, **options)
@@ -297,6 +323,14 @@ def _assistant(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl,
     return AssistantDrafter(plan.path, target, options.get("threads"))  # type: ignore[arg-type]  # checked there
 
 
+def _medusa(plan: DrafterPlan, target: Backend, *_: Any) -> Drafter:
+    """Medusa heads on a target opened with `open_backend(..., hidden=True)`."""
+    from edgespec.drafters.medusa import open_medusa
+
+    assert plan.path is not None
+    return open_medusa(plan.path, target)
+
+
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
                                                 "model": _draft_model, "chain": _chain, "mtp": _mtp,
-                                                "assistant": _assistant}
+                                                "assistant": _assistant, "medusa": _medusa}
