@@ -17,6 +17,7 @@ def load(
     threads: int | None = None,
     n_gpu_layers: int = 0,
     num_draft: int | str = "auto",
+    tree: int | str = "off",
     verbose: bool = False,
 ) -> Engine:
     """Load a target model and a drafter.
@@ -36,11 +37,14 @@ def load(
         n_gpu_layers: layers offloaded on CUDA/Metal builds of llama.cpp (-1 = all).
         num_draft: γ, draft tokens per cycle, or "auto" (default): the scheduler picks γ per cycle,
             0 (a plain step) when speculation would lose.
+        tree: "off" (default), or N: every cycle verifies a draft tree of up to N nodes and depth γ
+            in one forward (needs a fixed num_draft, and a drafter that drafts trees: a draft model,
+            n-gram, Medusa; others draft chains). Lossless as chains are.
         verbose: show the backend's own log.
 
     Returns:
         An Engine (use it as a context manager, or call close()). With num_draft "auto" its first
         speculative generation prices the pair (cached per model; `Engine.calibrate` chooses when).
     """
-    return session.load(target, drafter, backend=backend, num_draft=num_draft, n_ctx=n_ctx, threads=threads,
+    return session.load(target, drafter, backend=backend, num_draft=num_draft, tree=tree, n_ctx=n_ctx, threads=threads,
                         n_gpu_layers=n_gpu_layers, verbose=verbose)

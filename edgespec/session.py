@@ -32,7 +32,9 @@ from edgespec.drafters.registry import (
     plan_model,
 )
 from edgespec.engine import Engine
+from edgespec.errors import EdgespecError
 from edgespec.schedule.scheduler import check_num_draft
+from edgespec.tree_step import check_tree
 
 Spec = str | os.PathLike[str]
 
@@ -56,6 +58,7 @@ class Plan:
     drafters: tuple[DrafterPlan, ...]  # none: plain decoding
     options: Options = Options()
     num_draft: int | str = "auto"
+    tree: int = 0  # draft trees of up to this many nodes every cycle (tree_step; 0: chains)
 
     @property
     def layers(self) -> tuple[int, ...] | None:
@@ -75,7 +78,7 @@ class Plan:
 
 
 def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = (), backend: str = "llama.cpp", *,
-         num_draft: int | str = "auto", **options: Any) -> Plan:
+         num_draft: int | str = "auto", tree: int | str = "off", **options: Any) -> Plan:
     """Phase 1: resolve and check every file named, open nothing.
 
     Args:
@@ -83,12 +86,15 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
         drafters: a drafter spec or several (bench); None / "none" for none (drafters.registry).
         backend: "llama.cpp" or "mlx".
         num_draft: γ, or "auto".
+        tree: "off", or N: draft trees of up to N nodes (and depth γ) every cycle; needs a fixed γ.
         **options: Options' fields (n_ctx, threads, n_gpu_layers, verbose).
     """
     from edgespec.models import DEFAULT_TARGET, resolve_model
 
     check_backend(backend)
-    gamma = check_num_draft(num_draft)
+    gamma, nodes = check_num_draft(num_draft), check_tree(tree)
+    if nodes and gamma == "auto":
+        raise EdgespecError("--tree N needs a fixed --num-draft γ (the depth of its trees): auto prices chains only")
     path = plan_model(resolve_model(str(target or DEFAULT_TARGET)), backend)
     if drafters is None or isinstance(drafters, (str, os.PathLike)):
         drafters = [drafters]
@@ -97,7 +103,7 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
         drafter = plan_drafter(spec, path, backend)
         if drafter is not None:  # "none"
             planned.append(drafter)
-    return Plan(path, backend, tuple(planned), Options(**options), gamma)
+    return Plan(path, backend, tuple(planned), Options(**options), gamma, nodes)
 
 
 class Session:
@@ -113,14 +119,15 @@ class Session:
         self._plain: Engine | None = None
         self.drafters: dict[str, Drafter] = {}
         opts = asdict(plan.options)
+        leaves = {"tree_leaves": plan.tree} if plan.tree and plan.backend == "llama.cpp" else {}
         with ExitStack() as opened:  # a failure closes what was opened before it
             target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, mtp=plan.mtp,
-                                                       hidden=plan.hidden, **opts))
+                                                       hidden=plan.hidden, **opts, **leaves))
             for d in plan.drafters:
                 drafter = self.drafters[d.spec] = open_drafter(d, target, plan.backend, impl=impl, **opts)
                 opened.callback(drafter.close)
             first = next(iter(self.drafters.values()), None)
-            self.engine = Engine(target, first, num_draft=plan.num_draft)
+            self.engine = Engine(target, first, num_draft=plan.num_draft, tree=plan.tree)
             opened.pop_all()
 
     def price(self, note: Callable[[str], None] | None = None) -> None:

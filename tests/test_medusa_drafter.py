@@ -248,3 +248,20 @@ def test_tree_rows_are_kept_for_the_path_a_tree_cycle_keeps(files, target):
             for p in range(len(tokens) - 1, len(seq)):
                 assert np.abs(t.hidden(p) - target.hidden(p)).max() < 1e-3
             assert drafter.draft(seq + [0], K, SamplingParams(temperature=0.0), np.random.default_rng(0)).tokens
+
+
+def test_greedy_tree_through_the_engine(files, target, tmp_path):
+    """Medusa's candidate trees through Engine(tree=8): greedy == plain, and every cycle drafts (the
+    hidden row of the kept path is the next cycle's h: backends.trees calls note_tree/keep_tree_path)."""
+    prompt = target.tokenize(PROMPT)
+    with edgespec.load(files["target"], drafter=None, n_ctx=512, threads=1) as plain_engine:
+        plain = plain_engine.generate(prompt, max_tokens=40)
+    heads = _memorised(tmp_path / "recall.gguf", target, prompt + plain.tokens, target.n_vocab)
+    with edgespec.load(files["target"], drafter=str(heads), n_ctx=512, threads=1, num_draft=3, tree=8) as engine:
+        for p in (prompt, "Once upon a time"):
+            want = engine.generate(p, max_tokens=40, speculative=False)
+            spec = engine.generate(p, max_tokens=40)
+            assert spec.tokens == want.tokens, p
+            assert spec.stats.tree_cycles >= spec.stats.n_cycles - 1
+            assert all(d > 0 for d, _ in spec.stats.cycles[:-1]), spec.stats.cycles  # every cycle drafted
+        assert spec.stats.n_accepted < spec.stats.n_drafted

@@ -96,6 +96,8 @@ class _LlamaExact(_Bound):
     def eval_tree(self, root: int, tokens: Sequence[int], parents: Sequence[int]) -> npt.NDArray[np.float32]:
         out = self._m.eval_tree(self.backend, root, tokens, parents)
         self._tree = (int(root), list(tokens), list(parents))
+        if hasattr(self.backend, "note_tree"):  # a target that keeps hidden rows (llama_hidden: Medusa)
+            self.backend.note_tree(parents)
         return out
 
     def keep_path(self, path: Sequence[int]) -> None:
@@ -105,9 +107,12 @@ class _LlamaExact(_Bound):
             node = next((i for i, p in enumerate(parents) if p == node), -2)
             first.append(node)
         if list(path) == first:
-            return self._m.keep_path(self.backend, path)
-        self._m.drop_tree(self.backend)
-        self.backend.eval([root, *(tokens[i] for i in path)], rows="none")
+            self._m.keep_path(self.backend, path)
+        else:
+            self._m.drop_tree(self.backend)
+            self.backend.eval([root, *(tokens[i] for i in path)], rows="none")
+        if hasattr(self.backend, "keep_tree_path"):
+            self.backend.keep_tree_path(path)
 
 
 def tree_ops(backend: Backend) -> TreeOps:

@@ -28,6 +28,7 @@ class RunOptions:
     drafter: str = "ngram"
     backend: str = "llama.cpp"
     num_draft: str = "auto"
+    tree: str = "off"
     temp: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -53,6 +54,14 @@ class RunOptions:
             check_num_draft(self.num_draft)
         except EdgespecError:
             raise EdgespecError(f"--num-draft must be 'auto' or an integer >= 0 (got {self.num_draft!r})") from None
+        from edgespec.tree_step import check_tree
+
+        try:
+            nodes = check_tree(self.tree)
+        except EdgespecError as e:
+            raise EdgespecError(f"--{e}") from None
+        if nodes and self.gamma == "auto":
+            raise EdgespecError("--tree N needs a fixed --num-draft γ (the depth of its trees): auto prices chains only")
         for flag, value, low in (("--max-tokens", self.max_tokens, 1),
                                  ("--ctx", self.ctx, 16), ("--threads", self.threads, 1)):
             if value is not None and value < low:
@@ -67,7 +76,8 @@ class RunOptions:
 
         self.check()
         drafter = None if self.no_spec else self.drafter
-        return load(self.target, drafter, backend=self.backend, num_draft=self.gamma, note=ui.status, price=price,
+        return load(self.target, drafter, backend=self.backend, num_draft=self.gamma, tree=self.tree, note=ui.status,
+                    price=price,
                     learn=learn, n_ctx=self.ctx, threads=self.threads, n_gpu_layers=self.gpu_layers,
                     verbose=self.verbose)
 
@@ -99,6 +109,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                 "converted to MLX once and cached; needs `pip install 'edgespec\\[mlx]'`)."),  # \[: not rich markup
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
                                          "costs and acceptance (0 = plain steps when speculation would lose)."),
+    "tree": (("--tree",), "Draft trees: 'off', or N: every cycle verifies a tree of up to N nodes and depth γ in one "
+                          "forward (needs a fixed -k; a draft model, n-gram or Medusa head drafts them)."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),
     "top_k": (("--top-k",), "Keep the k most likely tokens (0 = off)."),
     "top_p": (("--top-p",), "Nucleus sampling mass in (0, 1] (1 = off)."),

@@ -57,6 +57,8 @@ def format_stats(stats: Stats, *, speculative: bool | None = None) -> str:
     if speculative or (speculative is None and stats.n_drafted):
         acceptance = f"{stats.acceptance_rate:.0%}" if stats.n_drafted else "– (nothing drafted)"
         parts += [f"τ {stats.tau:.2f}", f"acceptance {acceptance}"]
+        if stats.tree_cycles:  # a tree's drafts are its nodes: most are alternatives, rejected by design
+            parts.append(f"{stats.n_drafted / stats.n_cycles:.1f} tree nodes/cycle")
     return _SEP.join(parts)
 
 
