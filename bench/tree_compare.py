@@ -65,6 +65,9 @@ def main() -> None:
                 row[side] = {"s": time.perf_counter() - t0, "t_decode": g.stats.t_decode, "tokens": len(g.tokens),
                              "tau": g.stats.tau, "nodes": g.stats.n_drafted / max(1, g.stats.n_cycles),
                              "text": g.text}
+            if row["plain"]["tokens"] < 8 or not row["plain"]["t_decode"]:
+                print(f"T {temp} {task.id}: plain decoded {row['plain']['tokens']} tokens, skipped", flush=True)
+                continue
             for side in ("chain", "tree"):
                 row[side]["speedup"] = ((row[side]["tokens"] / row[side]["t_decode"])
                                         / (row["plain"]["tokens"] / row["plain"]["t_decode"]))
