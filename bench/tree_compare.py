@@ -53,15 +53,14 @@ def main() -> None:
     runs = []
     for temp in temps:
         for task in tasks:
-            prompt = task.prompt
             row = {"task": task.id, "category": task.category, "temp": temp}
             for side, spec, tree in (("plain", False, 0), ("chain", True, 0), ("tree", True, args.nodes)):
                 engine.reset()
                 drafter.reset()
                 engine.tree = tree
                 t0 = time.perf_counter()
-                g = engine.generate(prompt, max_tokens=min(args.max_tokens, task.max_tokens), temperature=temp,
-                                    seed=1, speculative=spec)
+                g = engine.chat(list(task.messages), max_tokens=min(args.max_tokens, task.max_tokens),
+                                temperature=temp, seed=1, speculative=spec)
                 row[side] = {"s": time.perf_counter() - t0, "t_decode": g.stats.t_decode, "tokens": len(g.tokens),
                              "tau": g.stats.tau, "nodes": g.stats.n_drafted / max(1, g.stats.n_cycles),
                              "text": g.text}
