@@ -25,7 +25,7 @@ def test_missing_torch_names_the_train_extra(tmp_path: Path) -> None:
     assert line.startswith("error: ") and "edgespec[train]" in line
 
 
-@pytest.mark.parametrize("args, words", [(["--kind", "medusa"], ["--kind", "eagle3", "medusa"]),
+@pytest.mark.parametrize("args, words", [(["--kind", "hydra"], ["--kind", "eagle3", "medusa", "hydra"]),
                                          (["--weight-type", "q4_0"], ["--weight-type", "q4_0"]),
                                          (["--kind", "dspark"], ["--base"]),
                                          (["--kind", "dflash", "--block-size", "1"], ["--block-size", "1"]),

@@ -1,4 +1,4 @@
-"""`edgespec train-head --target X --kind eagle3|dflash|dspark --out head.gguf`: self-distil a feature head
+"""`edgespec train-head --target X --kind eagle3|dflash|dspark|medusa --out head.gguf`: self-distil a head
 (needs the `train` extra: torch)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from edgespec.cli.options import flag, with_options
 from edgespec.errors import EdgespecError, MissingDependencyError
 
-_KINDS = ("eagle3", "dflash", "dspark")
+_KINDS = ("eagle3", "dflash", "dspark", "medusa")
 _TORCH_HINT = "torch is not installed: pip install 'edgespec[train]' (the train extra)"
 _DATA, _OPT, _HEAD = "Training data", "Optimisation", "Head shape and runtime"
 
@@ -20,9 +20,10 @@ class TrainOptions:
     """train-head's flags, each declared once: its default, help and --help panel (`flag`)."""
 
     target: str = flag(..., "Target GGUF file or known model name.")
-    out: Path = flag(..., "Head GGUF to write (llama.cpp's eagle3 or dflash layout).")
-    kind: str = flag("eagle3", "Head type: eagle3, dflash, or dspark (Markov and confidence heads on a frozen "
-                     "--base DFlash head).")
+    out: Path = flag(..., "Head GGUF to write (llama.cpp's eagle3 or dflash layout, edgespec's medusa layout).")
+    kind: str = flag("eagle3", "Head type: eagle3, dflash, dspark (Markov and confidence heads on a frozen "
+                     "--base DFlash head) or medusa (heads on the target's final-norm hidden state, sharing "
+                     "its LM head).")
     budget_min: float = flag(10.0, "Training time in minutes of this session (feature extraction not counted; 0: "
                              "no limit, needs --max-steps).")
     max_steps: int = flag(0, "Planned total optimizer steps over all --resume sessions: training stops there and "
@@ -57,6 +58,8 @@ class TrainOptions:
     dflash_layers: int = flag(1, "dflash: decoder layers.", _HEAD)
     base: Path | None = flag(None, "dspark: the trained DFlash head GGUF (kept frozen).", _HEAD)
     markov_rank: int = flag(32, "dspark: rank R of the Markov head.", _HEAD)
+    medusa_heads: int = flag(4, "medusa: heads K (head k drafts the token k + 2 after the hidden state's).", _HEAD)
+    medusa_layers: int = flag(1, "medusa: residual blocks per head.", _HEAD)
     device: str = flag("auto", "Torch device: auto (cuda, else mps, else cpu), cpu, cuda or mps.", _HEAD)
     threads: int = flag(0, "CPU threads (llama.cpp and torch; 0: default).", _HEAD)
     work_dir: Path | None = flag(None, "Feature cache and checkpoints (default $EDGESPEC_HOME/train/<target>).",
@@ -67,7 +70,7 @@ class TrainOptions:
 def train_head(opts: TrainOptions) -> None:
     """Train a feature head for a target by self-distillation.
 
-    Trains a speculative-decoding head (EAGLE-3, DFlash or DSpark) for the
+    Trains a speculative-decoding head (EAGLE-3, DFlash, DSpark or Medusa) for the
     --target model on its own greedy continuations and writes it as a GGUF
     (needs the `train` extra: torch).
     """
@@ -95,6 +98,11 @@ def _check(f: TrainOptions) -> None:
         raise EdgespecError(f"--kind must be one of {', '.join(_KINDS)} (got {f.kind!r})")
     if f.kind == "dspark" and f.base is None:
         raise EdgespecError("--kind dspark needs --base, a DFlash head GGUF trained with --kind dflash")
+    if f.kind != "dspark" and f.base is not None:
+        raise EdgespecError(f"--base is for --kind dspark only (got --kind {f.kind})")
+    if f.medusa_heads < 1 or f.medusa_layers < 1:
+        raise EdgespecError(f"need --medusa-heads ≥ 1 and --medusa-layers ≥ 1 (got {f.medusa_heads}, "
+                            f"{f.medusa_layers})")
     if f.block_size < 2 or f.dflash_layers < 1 or f.markov_rank < 1:
         raise EdgespecError(f"need --block-size ≥ 2, --dflash-layers ≥ 1, --markov-rank ≥ 1 (got {f.block_size}, "
                             f"{f.dflash_layers}, {f.markov_rank})")
@@ -124,7 +132,7 @@ def _job(f: TrainOptions, device: str) -> Any:
 
     same = ("out", "kind", "seed", "draft_vocab", "resume", "weight_type", "corpus_chars", "gen_tokens", "work_dir",
             "block_size", "dflash_layers", "base", "markov_rank", "lr_decay", "gen_prompts", "n_seq", "greedy_share",
-            "heldout_gen")
+            "heldout_gen", "medusa_heads", "medusa_layers")
     return HeadJob(target=resolve_model(f.target), budget_s=f.budget_min * 60 if f.budget_min > 0 else None,
                    max_steps=f.max_steps or None, threads=f.threads or None, device=device,
                    n_prompts=len(P.TRAIN_PROMPTS) if f.prompts < 0 else f.prompts,

@@ -2,7 +2,10 @@
 
 Kinds: ``eagle3``, ``dflash`` (``edgespec.train.dflash_model``) and ``dspark`` (Markov and
 confidence heads on a frozen DFlash head, ``edgespec.train.dspark_model``). All read the same feature
-cache (EAGLE-3's target layers by default), so one work directory serves every kind.
+cache (EAGLE-3's target layers by default), so one work directory serves every kind. ``medusa``
+(``edgespec.train.medusa_model``) reads the target's final-norm hidden state instead: its caches are
+``medusa/train``, ``medusa/heldout`` and ``medusa/heldout-gen`` of the same work directory (the same
+sequences and ``generated.jsonl``, other features).
 
 Work directory, the run directory (default ``$EDGESPEC_HOME/train/<target file stem>``): ``train/``
 and ``heldout/`` feature caches, ``d2t-<V_d>.npy``, and per head kind and shape one
@@ -32,6 +35,7 @@ import torch
 from edgespec.gguf_file import read_gguf
 from edgespec.heads.dflash import DFlashConfig
 from edgespec.heads.dflash_gguf import read_dflash_gguf
+from edgespec.heads.medusa import MedusaConfig
 from edgespec.models import edgespec_home
 from edgespec.train import prompts as P
 from edgespec.train.curve import plot_curve, project
@@ -39,10 +43,11 @@ from edgespec.train.data import local_corpus
 from edgespec.train.dflash_model import DFLASH_DECAY, TorchDFlash
 from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
 from edgespec.train.features import CachePlan, FeatureCache, Generated, build_cache
+from edgespec.train.medusa_model import MEDUSA_DECAY, HiddenRows, TorchMedusa, head_top1
 from edgespec.train.model import TorchEagle3, TrainableHead
 from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors, resolve_device
 
-KINDS = ("eagle3", "dflash", "dspark")
+KINDS = ("eagle3", "dflash", "dspark", "medusa")
 
 
 @dataclass
@@ -71,6 +76,8 @@ class HeadJob:
     dflash_layers: int = 1  # dflash: decoder layers of the head
     base: Path | None = None  # dspark: the trained DFlash head it is built on (frozen)
     markov_rank: int = 32  # dspark: R
+    medusa_heads: int = 4  # medusa: K (head k predicts the token k + 2 after h_t's)
+    medusa_layers: int = 1  # medusa: residual blocks per head
     lr_decay: bool = False  # the learning rate falls to 0 at max_steps (train.decay_shape: linear or cosine)
     device: str = "auto"  # torch device: auto, cpu, cuda or mps (trainer.resolve_device)
     gen_prompts: int = 0  # generated prompts (prompt_gen) whose replies are self-distilled in batches
@@ -157,6 +164,9 @@ def build_head(job: HeadJob, info: dict[str, Any], layers: tuple[int, ...], d2t:
     ``init_tensors``, dspark on the frozen DFlash head ``job.base``. A DFlash head's fc is
     preconditioned by the per-dimension RMS of ``feature_files`` (``TorchDFlash.set_feature_scale``)."""
     n_vocab = len(info["tok_embd"])
+    if job.kind == "medusa":  # the whole vocabulary through the target's frozen LM head: d2t, layers unused
+        cfg = MedusaConfig(job.medusa_heads, job.medusa_layers, info["n_embd"], n_vocab, shared_lm_head=True)
+        return TorchMedusa(cfg, info["lm_head"])
     borrowed = (info["lm_head"], info["output_norm"]) if job.init_from_target else ()
     if job.kind == "eagle3":
         cfg = head_config(info["n_embd"], info["n_head"], info["n_head_kv"], info["n_ff"], layers, n_vocab,
@@ -206,8 +216,13 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     work.mkdir(parents=True, exist_ok=True)
     info = target_info(job.target)
     n_ctx = max(1024, 2 * job.seq_len)
-    layers = job.layers or eagle3_layer_ids(info["n_layer"])
-    backend = open_backend(job.target, layers=layers, n_ctx=n_ctx, threads=job.threads)  # captures features
+    medusa = job.kind == "medusa"
+    caches = work / "medusa" if medusa else work
+    if medusa:  # captures the final-norm hidden states (result_norm), as the Medusa drafter reads them
+        backend: Any = HiddenRows(open_backend(job.target, hidden=True, n_ctx=n_ctx, threads=job.threads))
+    else:
+        layers = job.layers or eagle3_layer_ids(info["n_layer"])
+        backend = open_backend(job.target, layers=layers, n_ctx=n_ctx, threads=job.threads)  # captures features
     generator = open_backend(job.target, n_ctx=n_ctx, threads=job.threads)
     try:
         plan = CachePlan(target=str(job.target.resolve()), target_size=job.target.stat().st_size,
@@ -217,12 +232,12 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
         texts = list(local_corpus(max_chars=job.corpus_chars, seed=job.seed)) if job.corpus_chars else []
         seqs = self_distilled(job, work, progress)
         kept = seqs[job.heldout_gen:]
-        cache = build_cache(backend, work / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
+        cache = build_cache(backend, caches / "train", plan, texts, P.TRAIN_PROMPTS[:job.n_prompts],
                             progress=(lambda d, t: progress("train data", d, t)) if progress else None,
                             generator=generator, generated=kept)
         held_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                               corpus_chars=0, n_prompts=len(P.HELDOUT_PROMPTS), gen_tokens=job.gen_tokens)
-        held = build_cache(backend, work / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
+        held = build_cache(backend, caches / "heldout", held_plan, [], P.HELDOUT_PROMPTS,
                            progress=(lambda d, t: progress("held-out data", d, t)) if progress else None,
                            generator=generator)
         heldouts = {"heldout": held}
@@ -230,20 +245,22 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
             gen_plan = CachePlan(target=plan.target, target_size=plan.target_size, seq_len=job.seq_len,
                                  corpus_chars=0, gen_tokens=job.gen_tokens, seed=job.seed)
             heldouts["heldout-gen"] = build_cache(
-                backend, work / "heldout-gen", gen_plan, [], generated=seqs[:job.heldout_gen],
+                backend, caches / "heldout-gen", gen_plan, [], generated=seqs[:job.heldout_gen],
                 progress=(lambda d, t: progress("held-out replies", d, t)) if progress else None)
         layers = backend.feature_layers
     finally:
         backend.close()
         generator.close()
     d2t_path = work / f"d2t-{job.draft_vocab}.npy"
-    if d2t_path.exists():
+    if medusa:
+        d2t = np.arange(len(info["tok_embd"]))
+    elif d2t_path.exists():
         d2t = np.load(d2t_path)
     else:
         d2t = cache.d2t(len(info["tok_embd"]), job.draft_vocab)
         np.save(d2t_path, d2t)
     model = build_head(job, info, layers, d2t, cache.files())
-    decay = {"step_decay": DFLASH_DECAY} if job.kind != "eagle3" else {}
+    decay = {"step_decay": MEDUSA_DECAY if medusa else DFLASH_DECAY} if job.kind != "eagle3" else {}
     if job.lr_decay:
         if not job.max_steps:
             raise ValueError("a learning-rate decay needs --max-steps (it falls to 0 at the last step)")
@@ -252,8 +269,9 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     val_files = [f for c in heldouts.values() for f in c.files()]
     trainer = Trainer(model, cache.files(), val_files, train_cfg, device=device)
     shape = {"eagle3": "", "dflash": f"-b{job.block_size}-l{job.dflash_layers}",
-             "dspark": f"-r{job.markov_rank}-{Path(job.base or '').stem}"}[job.kind]
-    run_name = f"{job.kind}{shape}-v{job.draft_vocab}-s{job.seed}"
+             "dspark": f"-r{job.markov_rank}-{Path(job.base or '').stem}",
+             "medusa": f"-k{job.medusa_heads}-l{job.medusa_layers}"}[job.kind]
+    run_name = f"{job.kind}{shape}" + ("" if medusa else f"-v{job.draft_vocab}") + f"-s{job.seed}"
     ckpt, curve = work / f"checkpoint-{run_name}.pt", work / f"curve-{run_name}.csv"
     if job.resume and ckpt.exists():
         before = trainer.load(ckpt)
@@ -275,6 +293,9 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt, curve=curve)
     end = trainer.evaluate() if val_files else None
     by_set = {name: trainer.evaluate(c.files()) for name, c in heldouts.items() if c.files()} if len(heldouts) > 1 else {}
+    per_head = head_top1(trainer.model, val_files, trainer.t2d, train_cfg, device) if medusa and val_files else None
+    if per_head:
+        note("held-out top-1 per Medusa head (unchained): " + " ".join(f"{a:.2f}" for a in per_head))
     data_tokens = sum(int(e["tokens"]) for e in cache.manifest())
     fit = project(trainer.history, max_tokens=data_tokens)  # the first pass: training tokens = data tokens
     png = curve.with_suffix(".png") if curve.exists() and plot_curve(curve, curve.with_suffix(".png"), fit) else None
@@ -293,4 +314,4 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     trainer.export(job.out, job.target, job.weight_type, extra_kv=provenance)
     return {"steps": trainer.step, "seconds": trainer.elapsed, "tokens": trainer.tokens, "start": start, "end": end,
             "out": job.out, "checkpoint": ckpt, "curve": curve, "png": png, "by_set": by_set,
-            "data_tokens": data_tokens, "projection": fit}
+            "data_tokens": data_tokens, "projection": fit, "per_head": per_head}
