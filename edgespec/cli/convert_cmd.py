@@ -1,6 +1,6 @@
 """`edgespec convert --to mlx MODEL.gguf OUT_DIR`: a GGUF file as an MLX model directory;
-`edgespec convert --head HEAD_DIR --target TARGET --out head.gguf`: a published EAGLE-3 or DFlash
-checkpoint as a head GGUF (edgespec.heads.convert)."""
+`edgespec convert --head HEAD_DIR --target TARGET --out head.gguf`: a published EAGLE-3, DFlash or
+Medusa checkpoint as a head GGUF (edgespec.heads.convert)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def convert(
         "--bits", help="Width (4 or 8) for quantized types MLX cannot hold as they are (Q6_K, Q5_K, ...); "
                        "Q4_0/Q4_1/Q8_0/Q4_K stay as they are, F32/F16 stay float.")] = 8,
     head: Annotated[Path | None, typer.Option(
-        "--head", help="A published EAGLE-3 (EAGLE, SpecForge, speculators) or DFlash v1 checkpoint directory "
+        "--head", help="A published EAGLE-3 (EAGLE, SpecForge, speculators), DFlash v1 or Medusa (FasterDecoding) checkpoint directory "
                        "(config.json + safetensors) to convert into a head GGUF.")] = None,
     target: Annotated[str | None, typer.Option(
         "--target", help="With --head: the target GGUF or known model name the head drafts for.")] = None,
@@ -35,7 +35,8 @@ def convert(
 
     --to mlx MODEL OUT_DIR: quantized weights stay quantized where MLX can hold them.
     --head HEAD_DIR --target TARGET --out head.gguf: an EAGLE-3 or DFlash checkpoint, checked against
-    the target (hidden size, vocabulary, layer ids, tensors) and written in llama.cpp's layout.
+    the target (hidden size, vocabulary, layer ids, tensors) and written in llama.cpp's layout; a Medusa
+    checkpoint as a `medusa` GGUF (its heads draft on llama.cpp: --drafter head.gguf).
     """
     from edgespec.cli import ui
 
