@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from recurrent_fixtures import recurrent_ggufs  # noqa: F401 (a fixture)
+from tree_cases import node_path, random_tree, rel_err
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.backends.llama_tree import drop_tree, eval_tree, keep_path, preorder, tree_seqs
@@ -27,44 +28,6 @@ def _backend(path: Path, leaves: int = LEAVES) -> LlamaCppBackend:
     return LlamaCppBackend(path, n_ctx=512, threads=1, kv_type="f32", tree_leaves=leaves)
 
 
-def random_tree(rng: np.random.Generator, n_vocab: int, max_nodes: int = 12, width: int = 3,
-                depth: int = 3) -> tuple[list[int], list[int]]:
-    """(tokens, parents) of a random tree in topological order, siblings with distinct tokens."""
-    n = int(rng.integers(1, max_nodes + 1))
-    tokens: list[int] = []
-    parents: list[int] = []
-    depths = {-1: 0}
-    kids: dict[int, list[int]] = {-1: []}
-    while len(tokens) < n:
-        open_ = [k for k in kids if len(kids[k]) < width and depths[k] < depth]
-        if not open_:
-            break
-        par = open_[int(rng.integers(len(open_)))]
-        tok = int(rng.integers(n_vocab))
-        if tok in [tokens[c] for c in kids[par]]:
-            continue
-        i = len(tokens)
-        tokens.append(tok)
-        parents.append(par)
-        depths[i], kids[i] = depths[par] + 1, []
-        kids[par].append(i)
-    return tokens, parents
-
-
-def node_path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
-def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| over the row's logit range, the worst row."""
-    span = want.max(axis=-1) - want.min(axis=-1)
-    return float((np.abs(got - want).max(axis=-1) / span).max())
-
-
 def check_rows(ref: LlamaCppBackend, ctx: list[int], root: int, tokens: list[int], parents: list[int],
                rows: np.ndarray) -> float:
     """The worst relative error of the tree's rows against `ref` (a plain backend) evaluating root +
@@ -76,7 +39,7 @@ def check_rows(ref: LlamaCppBackend, ctx: list[int], root: int, tokens: list[int
         path = node_path(parents, leaf)
         want = ref.eval([root, *(tokens[i] for i in path)], rows="all")
         got = rows[[0, *(i + 1 for i in path)]]
-        worst = max(worst, _rel_err(got, want))
+        worst = max(worst, rel_err(got, want))
         ref.truncate(len(ctx))
     return worst
 
@@ -156,10 +119,10 @@ def _plain_after(b: LlamaCppBackend, ref: LlamaCppBackend, committed: list[int],
     rollback into the kept tokens: the worst relative error."""
     ref.truncate(0)
     ref.eval(committed, rows="none")
-    worst = _rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all"))
+    worst = rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all"))
     b.truncate(len(committed) - 3)
     ref.truncate(len(committed) - 3)
-    return max(worst, _rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
+    return max(worst, rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
 
 
 def test_keep_path_leaves_only_the_path(tiny_target: Path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlx_fixtures import _CONFIGS, build_tiny_mlx
+from tree_cases import node_path, random_tree, rel_err
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
@@ -40,41 +41,6 @@ def _open(path, **kw) -> MlxBackend:
     return MlxBackend(path, vocab=ReferenceBackend(V), **kw)
 
 
-def random_tree(rng: np.random.Generator, max_nodes: int = 10, width: int = 3,
-                depth: int = 4) -> tuple[list[int], list[int]]:
-    """(tokens, parents) of a random tree in topological order, siblings with distinct tokens."""
-    n = int(rng.integers(1, max_nodes + 1))
-    tokens: list[int] = []
-    parents: list[int] = []
-    depths, kids = {-1: 0}, {-1: []}
-    while len(tokens) < n:
-        open_ = [k for k in kids if len(kids[k]) < width and depths[k] < depth]
-        par = open_[int(rng.integers(len(open_)))]
-        tok = int(rng.integers(V))
-        if tok in [tokens[c] for c in kids[par]]:
-            continue
-        i = len(tokens)
-        tokens.append(tok)
-        parents.append(par)
-        depths[i], kids[i] = depths[par] + 1, []
-        kids[par].append(i)
-    return tokens, parents
-
-
-def node_path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
-def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| over the row's logit range, the worst row."""
-    span = want.max(axis=-1) - want.min(axis=-1)
-    return float((np.abs(got - want).max(axis=-1) / span).max())
-
-
 def check_rows(ref: MlxBackend, ctx: list[int], root: int, tokens: list[int], parents: list[int],
                rows: np.ndarray) -> float:
     """The worst relative error of the tree's rows against `ref` evaluating root + each leaf's path as
@@ -85,7 +51,7 @@ def check_rows(ref: MlxBackend, ctx: list[int], root: int, tokens: list[int], pa
     for leaf in [i for i in range(len(tokens)) if i not in parents] or [-1]:
         path = node_path(parents, leaf)
         want = ref.eval([root, *(tokens[i] for i in path)], rows="all")
-        worst = max(worst, _rel_err(rows[[0, *(i + 1 for i in path)]], want))
+        worst = max(worst, rel_err(rows[[0, *(i + 1 for i in path)]], want))
         ref.truncate(len(ctx))
     return worst
 
@@ -103,7 +69,7 @@ def test_every_row_equals_its_path_as_a_chain(model_dirs, model_type):
             ctx = [int(t) for t in rng.integers(0, V, 9)]
             b.eval(ctx, rows="none")
         root = int(rng.integers(V))
-        tokens, parents = random_tree(rng)
+        tokens, parents = random_tree(rng, V, max_nodes=10, depth=4)
         rows = eval_tree(b, root, tokens, parents)
         assert rows.shape == (len(tokens) + 1, V) and rows.dtype == np.float32
         assert b.n_past == len(ctx) and all(c.offset == len(ctx) for c in b._caches)
@@ -132,7 +98,7 @@ def test_keep_path_leaves_only_the_path(model_dirs, model_type):
     b.eval(committed, rows="none")
     root, worst = int(rng.integers(V)), 0.0
     for k in range(8):
-        tokens, parents = random_tree(rng)
+        tokens, parents = random_tree(rng, V, max_nodes=10, depth=4)
         path = _walk(rng, parents)
         rows = eval_tree(b, root, tokens, parents)
         worst = max(worst, check_rows(ref, committed, root, tokens, parents, rows))
@@ -147,10 +113,10 @@ def test_keep_path_leaves_only_the_path(model_dirs, model_type):
     ref.truncate(0)
     ref.eval(committed, rows="none")
     probe = [int(t) for t in rng.integers(0, V, 6)]
-    worst = max(worst, _rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
+    worst = max(worst, rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
     b.truncate(len(committed) - 3)
     ref.truncate(len(committed) - 3)
-    worst = max(worst, _rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
+    worst = max(worst, rel_err(b.eval(probe, rows="all"), ref.eval(probe, rows="all")))
     print(f"\n{model_type}: after keep_path vs a clean cache: max |Δ| / logit range = {worst:.2e}")
     assert worst < REL_TOL
 

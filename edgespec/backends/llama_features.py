@@ -246,6 +246,17 @@ class _CbEvalCapture:
         return [p for p in self._parts if p is not None]
 
 
+def attach_capture(cp: Any, names: list[str], n_embd: int, compiled: bool) -> tuple[Any, str]:
+    """A cb_eval capture of the graph tensors `names` (rows of n_embd floats) set on the context params
+    `cp`: the compiled callback where it builds, else the Python one. Returns it (it keeps the callback
+    and its data alive: hold it as long as the context) and "c" or "python"."""
+    lib = compiled_callback() if compiled else None
+    capture = (CCapture(lib, _ggml(), names, n_embd, cp.n_batch) if lib is not None
+               else _CbEvalCapture(names, n_embd))
+    cp.cb_eval, cp.cb_eval_user_data = capture.callback, capture.user_data
+    return capture, "c" if lib is not None else "python"
+
+
 class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
     """A llama.cpp target that also returns hidden states at a few layers for every evaluated token.
 
@@ -303,13 +314,8 @@ class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
             raise BackendError(f"method='ext' is unavailable: {why}; use method='cb_eval'")
         self.feature_method = "ext" if ext_ok and self._want_method != "cb_eval" else "cb_eval"
         if self.feature_method == "cb_eval":
-            names = [f"l_out-{lid - 1}" for lid in layers]
-            lib = compiled_callback() if self._compiled else None
-            self._capture = (CCapture(lib, _ggml(), names, self.n_embd, cp.n_batch) if lib is not None
-                             else _CbEvalCapture(names, self.n_embd))
-            self.capture_impl = "c" if lib is not None else "python"
-            cp.cb_eval = self._capture.callback  # self._capture keeps the callback and its data alive
-            cp.cb_eval_user_data = self._capture.user_data
+            self._capture, self.capture_impl = attach_capture(cp, [f"l_out-{lid - 1}" for lid in layers],
+                                                              self.n_embd, self._compiled)
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         n = len(chunk)

@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.backends.capture_c import CCapture, compiled_callback
+from edgespec.backends.capture_c import CCapture
 from edgespec.backends.llama_cpp import LlamaCppBackend
-from edgespec.backends.llama_features import _CbEvalCapture, _ggml
+from edgespec.backends.llama_features import _CbEvalCapture, attach_capture
 from edgespec.errors import BackendError
 
 F32 = npt.NDArray[np.float32]
@@ -65,13 +65,7 @@ class LlamaHiddenBackend(LlamaCppBackend):
 
     def _configure_context(self, cp: Any) -> None:
         self.n_embd = int(self._ll.llama_model_n_embd(self._model))
-        lib = compiled_callback() if self._compiled else None
-        names = [HIDDEN_TENSOR]
-        self._capture = (CCapture(lib, _ggml(), names, self.n_embd, cp.n_batch) if lib is not None
-                         else _CbEvalCapture(names, self.n_embd))
-        self.capture_impl = "c" if lib is not None else "python"
-        cp.cb_eval = self._capture.callback  # self._capture keeps the callback and its data alive
-        cp.cb_eval_user_data = self._capture.user_data
+        self._capture, self.capture_impl = attach_capture(cp, [HIDDEN_TENSOR], self.n_embd, self._compiled)
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         assert self._capture is not None
