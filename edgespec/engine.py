@@ -123,8 +123,7 @@ class Engine(Generating):
             raise EdgespecError(f"max_tokens must be >= 1 (got {max_tokens})")
         if not speculative or self.drafter is None:
             gamma = 0
-        if self.tree and gamma == "auto":
-            raise EdgespecError("draft trees (tree=N) need a fixed num_draft γ, their depth: auto prices chains only")
+        check_tree(self.tree, gamma)
         # the lock comes before anything that touches the target: calibration resets its KV cache
         # generations stop an idle timing run, until LEARN_REPLIES were plain: then they wait for it
         # (back-to-back requests would stop every one, and never speculate)

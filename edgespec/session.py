@@ -32,7 +32,6 @@ from edgespec.drafters.registry import (
     plan_model,
 )
 from edgespec.engine import Engine
-from edgespec.errors import EdgespecError
 from edgespec.schedule.scheduler import check_num_draft
 from edgespec.tree_step import check_tree
 
@@ -92,9 +91,8 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
     from edgespec.models import DEFAULT_TARGET, resolve_model
 
     check_backend(backend)
-    gamma, nodes = check_num_draft(num_draft), check_tree(tree)
-    if nodes and gamma == "auto":
-        raise EdgespecError("--tree N needs a fixed --num-draft γ (the depth of its trees): auto prices chains only")
+    gamma = check_num_draft(num_draft)
+    nodes = check_tree(tree, gamma)
     path = plan_model(resolve_model(str(target or DEFAULT_TARGET)), backend)
     if drafters is None or isinstance(drafters, (str, os.PathLike)):
         drafters = [drafters]

@@ -22,8 +22,9 @@ from edgespec.tree import DraftTree, verify_tree
 MAX_TREE = 64  # most nodes a forced tree may have (one forward; a llama.cpp sequence per leaf)
 
 
-def check_tree(tree: int | str | None) -> int:
-    """The engine's tree option as a node count: 0 = off (chains only), N = trees of up to N nodes."""
+def check_tree(tree: int | str | None, num_draft: int | str | None = None) -> int:
+    """The engine's tree option as a node count: 0 = off (chains only), N = trees of up to N nodes;
+    trees need a fixed γ (`num_draft`, when given), their depth."""
     if tree in (None, "off", 0, "0"):
         return 0
     try:
@@ -32,6 +33,9 @@ def check_tree(tree: int | str | None) -> int:
         n = -1
     if not 1 <= n <= MAX_TREE:
         raise EdgespecError(f"tree must be 'off' or a node count in [1, {MAX_TREE}] (got {tree!r})")
+    if num_draft == "auto":
+        raise EdgespecError("draft trees (tree=N, --tree) need a fixed num_draft γ (-k), their depth: "
+                            "auto prices chains only")
     return n
 
 

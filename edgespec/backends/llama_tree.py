@@ -31,7 +31,11 @@ cache filled in order by up to ~4e-4 of the logit range (measured on the tiny F3
 without flash attention ~1e-7); what the rejected nodes held has no effect, bit for bit. The batch
 is laid out in depth-first preorder (`preorder`), so an accepted first-child chain (the drafter's
 first choices) leaves no such hole and decoding continues bit for bit as on a cache that never held
-the tree.
+the tree. Any other path is evaluated again in order instead (one forward of its length), so that
+after `keep_path` the cache is always the plain one, bit for bit.
+
+A target that keeps its final-norm rows (backends.llama_hidden, for Medusa) is told of the tree's
+rows (`note_tree`) and of the path kept (`keep_tree_path`).
 
 A pending tree is invisible to seq 0 (its cells never hold seq 0), so plain eval/truncate on the
 backend are unaffected by it; `keep_path` or `drop_tree` clears it, and the next `eval_tree` drops a
@@ -58,6 +62,8 @@ class _Pending:
     below each node (index 0: the root, i+1: node i)."""
 
     n_past: int
+    root: int
+    tokens: tuple[int, ...]
     parents: tuple[int, ...]
     leaf_seq: tuple[int, ...]
 
@@ -142,7 +148,10 @@ def eval_tree(backend: LlamaCppBackend, root: int, tokens: Sequence[int],
     if rc != 0:
         drop_tree(backend)
         raise BackendError(f"llama_decode returned {rc} for a draft tree of {n + 1} tokens at position {n_past}")
-    _pending[backend] = _Pending(n_past, tuple(parents), tuple(s[0] for s in seqs))
+    _pending[backend] = _Pending(n_past, int(root), tuple(int(t) for t in tokens), tuple(parents),
+                                 tuple(s[0] for s in seqs))
+    if hasattr(backend, "note_tree"):  # a target that keeps its hidden rows (llama_hidden: Medusa)
+        backend.note_tree(parents)
     out = np.empty((n + 1, backend.n_vocab), np.float32)
     out[order] = backend._logit_rows(n + 1)  # batch row b is tree row order[b]
     return out
@@ -162,11 +171,21 @@ def keep_path(backend: LlamaCppBackend, path: Sequence[int]) -> None:
             drop_tree(backend)
             raise ValueError(f"keep_path: {list(path)} is not a path from the root of the evaluated tree")
         node = i
-    ll, mem, end = backend._ll, backend._mem, pending.n_past + 1 + len(path)
-    # the cells of a leaf below the last accepted node, at positions up to it, are exactly the path's
-    ll.llama_memory_seq_cp(mem, pending.leaf_seq[node + 1], 0, pending.n_past, end)
-    ll.llama_memory_seq_keep(mem, 0)
-    backend._n_past = end
+    first, node = [], -1  # the first-child chain as deep as the path
+    for _ in path:
+        node = pending.parents.index(node) if node in pending.parents else -2
+        first.append(node)
+    if list(path) == first:  # its cells come first in the batch: no hole before them
+        ll, mem, end = backend._ll, backend._mem, pending.n_past + 1 + len(path)
+        # the cells of a leaf below the last accepted node, at positions up to it, are exactly the path's
+        ll.llama_memory_seq_cp(mem, pending.leaf_seq[path[-1] + 1 if path else 0], 0, pending.n_past, end)
+        ll.llama_memory_seq_keep(mem, 0)
+        backend._n_past = end
+    else:  # holes would reorder flash attention's sums (module note): the path again, in order
+        drop_tree(backend)
+        backend.eval([pending.root, *(pending.tokens[i] for i in path)], rows="none")
+    if hasattr(backend, "keep_tree_path"):
+        backend.keep_tree_path(path)
 
 
 def drop_tree(backend: LlamaCppBackend) -> None:

@@ -86,35 +86,6 @@ class _Reference:
         self.__dict__.pop("_pending", None)
 
 
-class _LlamaExact(_Bound):
-    """llama.cpp's trees, kept as a chain would leave the cache: a kept path that is not the tree's
-    first-child chain would leave the rejected nodes' freed cells before kept ones, later tokens would
-    fill them, and CPU flash attention, which reads cells in order, would sum in another order
-    (backends.llama_tree: up to ~4e-4 of the logit range). Such a path is evaluated again in order
-    instead, one forward of its length, so the output stays the plain output token for token."""
-
-    def eval_tree(self, root: int, tokens: Sequence[int], parents: Sequence[int]) -> npt.NDArray[np.float32]:
-        out = self._m.eval_tree(self.backend, root, tokens, parents)
-        self._tree = (int(root), list(tokens), list(parents))
-        if hasattr(self.backend, "note_tree"):  # a target that keeps hidden rows (llama_hidden: Medusa)
-            self.backend.note_tree(parents)
-        return out
-
-    def keep_path(self, path: Sequence[int]) -> None:
-        root, tokens, parents = self._tree
-        first, node = [], -1
-        for _ in path:
-            node = next((i for i, p in enumerate(parents) if p == node), -2)
-            first.append(node)
-        if list(path) == first:
-            self._m.keep_path(self.backend, path)
-        else:
-            self._m.drop_tree(self.backend)
-            self.backend.eval([root, *(tokens[i] for i in path)], rows="none")
-        if hasattr(self.backend, "keep_tree_path"):
-            self.backend.keep_tree_path(path)
-
-
 def tree_ops(backend: Backend) -> TreeOps:
     """The tree verification of `backend`'s runtime (module docstring). Raises BackendError in one
     line for a recurrent target or a runtime without tree attention."""
@@ -131,7 +102,7 @@ def tree_ops(backend: Backend) -> TreeOps:
         if isinstance(backend, LlamaCppBackend):
             from edgespec.backends import llama_tree
 
-            return _LlamaExact(backend, llama_tree)
+            return _Bound(backend, llama_tree)
     except ImportError:  # the llama extra is not installed
         pass
     try:

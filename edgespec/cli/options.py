@@ -57,11 +57,10 @@ class RunOptions:
         from edgespec.tree_step import check_tree
 
         try:
-            nodes = check_tree(self.tree)
+            check_tree(self.tree)
         except EdgespecError as e:
             raise EdgespecError(f"--{e}") from None
-        if nodes and self.gamma == "auto":
-            raise EdgespecError("--tree N needs a fixed --num-draft γ (the depth of its trees): auto prices chains only")
+        check_tree(self.tree, self.gamma)
         for flag, value, low in (("--max-tokens", self.max_tokens, 1),
                                  ("--ctx", self.ctx, 16), ("--threads", self.threads, 1)):
             if value is not None and value < low:

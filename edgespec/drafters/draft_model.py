@@ -83,7 +83,7 @@ class DraftModelDrafter:
         self.paths = (model.path,)
         self.handoff = handoff
         self._kv: list[int] = []  # tokens in the draft model's KV cache
-        self._dists: list[np.ndarray] | None = None  # draft_tree: each position's distribution, kept
+        self._dists: list[np.ndarray] | None = None  # greedy draft_tree: each position's softmax, kept
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop: Callable[[Sequence[float]], bool] | None = None) -> Draft:
@@ -120,8 +120,6 @@ class DraftModelDrafter:
                 if not params.greedy:  # q is p itself unless the vocabularies differ in size: then draw from q
                     x = p.sample(rng) if q.shape[0] == p.n_vocab else sample(q, rng)
                     rows.append(q)
-                    if self._dists is not None:
-                        self._dists.append(q)
                 tokens.append(x)
                 feed = [x]
         except ContextOverflowError:
@@ -135,7 +133,7 @@ class DraftModelDrafter:
         self._dists = []
         try:
             chain = self.draft(context, min(max_depth, max_nodes), params, rng)
-            dists = self._dists[: len(chain.tokens)]
+            dists = self._dists[: len(chain.tokens)] if chain.q is None else list(chain.q)  # sampled: q itself
         finally:
             self._dists = None
         return side_tree(chain.tokens, dists, max_nodes, chain.q, rng, chain.confidence)
