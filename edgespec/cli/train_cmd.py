@@ -61,6 +61,9 @@ class TrainOptions:
     medusa_heads: int = flag(4, "medusa: heads K (head k drafts the token k + 2 after the hidden state's).", _HEAD)
     medusa_layers: int = flag(1, "medusa: residual blocks per head.", _HEAD)
     device: str = flag("auto", "Torch device: auto (cuda, else mps, else cpu), cpu, cuda or mps.", _HEAD)
+    dtype: str = flag("auto", "Training precision: auto (bfloat16 autocast where bf16 is fast: a CUDA GPU with bf16, "
+                      "a CPU with avx512_bf16 or AMX; float32 otherwise, e.g. on an AVX2-only CPU, where emulated "
+                      "bf16 is several times slower), float32 or bfloat16.", _HEAD)
     threads: int = flag(0, "CPU threads (llama.cpp and torch; 0: default).", _HEAD)
     work_dir: Path | None = flag(None, "Feature cache and checkpoints (default $EDGESPEC_HOME/train/<target>).",
                                  _HEAD)
@@ -119,16 +122,20 @@ def _check(f: TrainOptions) -> None:
     if f.gen_prompts < 0 or f.heldout_gen < 0 or f.n_seq < 1 or not 0.0 <= f.greedy_share <= 1.0:
         raise EdgespecError(f"need --gen-prompts ≥ 0, --heldout-gen ≥ 0, --n-seq ≥ 1 and --greedy-share in [0, 1] "
                             f"(got {f.gen_prompts}, {f.heldout_gen}, {f.n_seq}, {f.greedy_share:g})")
+    if f.dtype not in ("auto", "float32", "bfloat16"):
+        raise EdgespecError(f"--dtype must be one of auto, float32, bfloat16 (got {f.dtype!r})")
     if f.weight_type not in ("f16", "q8_0"):
         raise EdgespecError(f"--weight-type must be f16 or q8_0 (got {f.weight_type!r})")
 
 
 def _job(f: TrainOptions, device: str) -> Any:
     """The pipeline's HeadJob for these flags (the target resolved: the one place a name becomes a path)."""
+    import torch
+
     from edgespec.models import resolve_model
     from edgespec.train import prompts as P
     from edgespec.train.pipeline import HeadJob
-    from edgespec.train.trainer import TrainConfig
+    from edgespec.train.trainer import TrainConfig, resolve_dtype
 
     same = ("out", "kind", "seed", "draft_vocab", "resume", "weight_type", "corpus_chars", "gen_tokens", "work_dir",
             "block_size", "dflash_layers", "base", "markov_rank", "lr_decay", "gen_prompts", "n_seq", "greedy_share",
@@ -137,7 +144,8 @@ def _job(f: TrainOptions, device: str) -> Any:
                    max_steps=f.max_steps or None, threads=f.threads or None, device=device,
                    n_prompts=len(P.TRAIN_PROMPTS) if f.prompts < 0 else f.prompts,
                    train=TrainConfig(ttt_steps=f.ttt_steps, lr=f.lr, eval_every=f.eval_every,
-                                     warmup_steps=f.warmup_steps, decay_shape=f.decay_shape),
+                                     warmup_steps=f.warmup_steps, decay_shape=f.decay_shape,
+                                     bf16=resolve_dtype(f.dtype, torch.device(device))),
                    **{k: getattr(f, k) for k in same})
 
 

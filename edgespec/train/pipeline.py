@@ -45,7 +45,14 @@ from edgespec.train.dspark_model import TorchDSpark, dspark_config, init_dspark
 from edgespec.train.features import CachePlan, FeatureCache, Generated, build_cache
 from edgespec.train.medusa_model import MEDUSA_DECAY, HiddenRows, TorchMedusa, head_top1
 from edgespec.train.model import TorchEagle3, TrainableHead
-from edgespec.train.trainer import TrainConfig, Trainer, head_config, init_tensors, resolve_device
+from edgespec.train.trainer import (
+    TrainConfig,
+    Trainer,
+    autocast_dtype,
+    head_config,
+    init_tensors,
+    resolve_device,
+)
 
 KINDS = ("eagle3", "dflash", "dspark", "medusa")
 
@@ -288,7 +295,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     held_n = " + ".join(f"{len(c.files())} {name}" for name, c in heldouts.items())
     note(f"{len(cache.files())} training sequences, {held_n}; draft vocab {len(model.d2t)}; "
          f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trained parameters; "
-         f"device {device}")
+         f"device {device}, {'bfloat16 autocast' if train_cfg.bf16 and autocast_dtype(device) else 'float32'}")
     start = trainer.evaluate() if val_files else None
     trainer.run(max_steps=job.max_steps, budget_s=job.budget_s, on_step=on_step, checkpoint=ckpt, curve=curve)
     end = trainer.evaluate() if val_files else None
@@ -305,6 +312,7 @@ def train_head(job: HeadJob, note: Callable[[str], None] = print,
     provenance = {"edgespec.head.trained_steps": str(trainer.step), "edgespec.head.seed": str(job.seed),
                   "edgespec.head.train_seconds": f"{trainer.elapsed:.0f}",
                   "edgespec.head.train_tokens": str(trainer.tokens), "edgespec.head.train_device": device.type,
+                  "edgespec.head.train_dtype": "bfloat16" if train_cfg.bf16 and autocast_dtype(device) else "float32",
                   "edgespec.head.data": f"{len(cache.files())} sequences: stdlib + /usr/share/doc text "
                                         f"({job.corpus_chars} chars) and greedy generations on "
                                         f"{job.n_prompts} training prompts" + data_mix(cache),

@@ -19,8 +19,11 @@ learning curve included (tested). Numpy randomness is only such seeded generator
 save); torch's CPU generator state is saved and restored anyway.
 
 Devices: ``Trainer(device=...)`` puts the model, the batches and the loss on a torch device
-(``resolve_device``); autocast is bfloat16 on cpu and cuda, none on mps (``autocast_dtype``).
-Checkpoints are written from and read onto any device.
+(``resolve_device``); with ``TrainConfig.bf16`` autocast is bfloat16 on cpu and cuda, none on mps
+(``autocast_dtype``). ``resolve_dtype`` turns train-head's ``--dtype`` (auto, float32, bfloat16) into
+that flag: auto autocasts only where bf16 is fast (``fast_bf16``: a CUDA GPU with bf16, a CPU with
+avx512_bf16 or AMX), since on a CPU without bf16 instructions (AVX2 only) torch emulates it and a step
+takes several times as long as in float32. Checkpoints are written from and read onto any device.
 """
 
 from __future__ import annotations
@@ -112,6 +115,44 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if device.type == "mps" or (device.type == "cuda" and not torch.cuda.is_bf16_supported()):
         return None
     return torch.bfloat16
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+# /proc/cpuinfo flags of CPUs whose bf16 matmuls run in hardware (AVX512-BF16: Cooper Lake, Zen 4 and
+# later; AMX: Sapphire Rapids and later); without them torch's CPU bf16 is emulated and slower than float32
+FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (x86 ``flags``, arm ``Features``); empty elsewhere."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for ln in text.splitlines():
+        key, _, value = ln.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def fast_bf16(device: torch.device, flags: frozenset[str] | None = None) -> bool:
+    """Whether bfloat16 autocast speeds training up on ``device``: a CUDA GPU with bf16 support, or a CPU
+    reporting one of ``FAST_BF16_CPU_FLAGS`` (``flags``: default ``cpu_flags()``); never on mps."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        return bool((cpu_flags() if flags is None else flags) & FAST_BF16_CPU_FLAGS)
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> bool:
+    """train-head's ``--dtype`` as ``TrainConfig.bf16``: ``auto`` → ``fast_bf16(device)``, ``float32`` →
+    False, ``bfloat16`` → True (autocast; weights and optimizer stay float32; on mps ``autocast_dtype``
+    still runs float32). A ``ValueError`` names a bad value."""
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+    return fast_bf16(device) if name == "auto" else name == "bfloat16"
 
 
 def head_config(n_embd: int, n_head: int, n_head_kv: int, n_ff: int, layers: Sequence[int], n_vocab: int,
