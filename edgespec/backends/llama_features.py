@@ -292,6 +292,7 @@ class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
             for lid in sorted(set(self.feature_layers)):
                 api.set_layer_inp(self._ctx, lid, True)
         self._store = FeatureStore(len(self.feature_layers) * self.n_embd)
+        self._tree_rows: npt.NDArray[np.float32] | None = None  # note_tree's rows (tree order) until kept
 
     def _configure_context(self, cp: Any) -> None:
         ll = self._ll
@@ -339,6 +340,41 @@ class LlamaFeatureBackend(StoredFeatures, LlamaCppBackend):
                 ptr = api.get_layer_inp(self._ctx, lid)
                 parts.append(np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)))
         self._store.append(np.concatenate(parts, axis=1))
+
+    def note_tree(self, parents: Sequence[int]) -> None:
+        """Keep the feature rows of the draft tree llama_tree.eval_tree just scored (root + n nodes, its
+        batch in llama_tree.preorder order) until ``keep_tree_path``; nothing if the capture missed them
+        (then ``tree_rows_missing``, and llama_tree.keep_path evaluates the kept path again, in order)."""
+        from edgespec.backends.llama_tree import preorder
+
+        order = preorder(parents)
+        n = len(order)
+        self._tree_rows = None
+        try:
+            if self._capture is not None:
+                parts = self._capture.collect(n)
+            else:
+                api = ext_api()
+                assert api is not None
+                parts = [np.ctypeslib.as_array(api.get_layer_inp(self._ctx, lid), shape=(n, self.n_embd))
+                         for lid in self.feature_layers]
+        except BackendError:
+            return
+        rows = np.concatenate(parts, axis=1)
+        self._tree_rows = np.empty_like(rows)
+        self._tree_rows[order] = rows  # batch row b is tree row order[b]
+
+    def tree_rows_missing(self) -> bool:
+        """Whether the last tree's feature rows were not captured (asked by llama_tree.keep_path)."""
+        return self._tree_rows is None
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """After llama_tree.keep_path(path): the feature rows of the root and the path's nodes become
+        those of the last 1 + len(path) positions (a path evaluated again in order stored its own)."""
+        tree, self._tree_rows = self._tree_rows, None
+        if len(self._store) >= self.n_past or tree is None:
+            return
+        self._store.append(tree[[0, *(i + 1 for i in path)]])
 
     def token_embeddings(self) -> None:
         """None: a libllama head reads the target's weights through ctx_other, any other head from

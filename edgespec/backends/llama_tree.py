@@ -34,8 +34,10 @@ first choices) leaves no such hole and decoding continues bit for bit as on a ca
 the tree. Any other path is evaluated again in order instead (one forward of its length), so that
 after `keep_path` the cache is always the plain one, bit for bit.
 
-A target that keeps its final-norm rows (backends.llama_hidden, for Medusa) is told of the tree's
-rows (`note_tree`) and of the path kept (`keep_tree_path`).
+A target that keeps its final-norm rows (backends.llama_hidden, for Medusa) or its feature rows
+(backends.llama_features, for EAGLE-3, DFlash and DSpark heads) is told of the tree's rows
+(`note_tree`) and of the path kept (`keep_tree_path`); a feature target whose capture missed the tree's
+rows has the kept path evaluated again in order, which stores them.
 
 A pending tree is invisible to seq 0 (its cells never hold seq 0), so plain eval/truncate on the
 backend are unaffected by it; `keep_path` or `drop_tree` clears it, and the next `eval_tree` drops a
@@ -175,7 +177,8 @@ def keep_path(backend: LlamaCppBackend, path: Sequence[int]) -> None:
     for _ in path:
         node = pending.parents.index(node) if node in pending.parents else -2
         first.append(node)
-    if list(path) == first:  # its cells come first in the batch: no hole before them
+    missed = getattr(backend, "tree_rows_missing", None)  # a feature target whose capture missed the tree
+    if list(path) == first and not (missed is not None and missed()):  # first in the batch: no hole before them
         ll, mem, end = backend._ll, backend._mem, pending.n_past + 1 + len(path)
         # the cells of a leaf below the last accepted node, at positions up to it, are exactly the path's
         ll.llama_memory_seq_cp(mem, pending.leaf_seq[path[-1] + 1 if path else 0], 0, pending.n_past, end)

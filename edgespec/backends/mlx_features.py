@@ -82,6 +82,7 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
         for lid in sorted(set(ids)):
             blocks[lid] = wrap(blocks[lid], lambda h, lid=lid: self._captured.__setitem__(lid, h))
         self._store = FeatureStore(len(ids) * self.n_embd)
+        self._tree_rows: npt.NDArray[np.float32] | None = None  # note_tree's rows until keep_tree_path
 
     def _forward(self, chunk: list[int], want: LogitRows | Literal["argmax"]) -> npt.NDArray[Any] | None:
         mx = self._mx
@@ -98,6 +99,28 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
         self._captured.clear()
         self._store.append(np.asarray(rows))
         return logits
+
+    def note_tree(self, parents: Sequence[int]) -> None:
+        """Keep the feature rows of the draft tree mlx_tree.eval_tree just scored (its batch axis: the
+        root, then the n nodes) until ``keep_tree_path``."""
+        mx, n = self._mx, len(parents) + 1
+        missing = [lid for lid in self.feature_layers if lid not in self._captured]
+        if missing:
+            self._captured.clear()
+            raise BackendError(f"the tree's forward pass never reached layer(s) {missing}")
+        parts = [self._captured[lid].reshape(n, -1).astype(mx.float32) for lid in self.feature_layers]
+        rows = mx.concatenate(parts, axis=1)
+        mx.eval(rows)
+        self._captured.clear()
+        self._tree_rows = np.asarray(rows)
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """After mlx_tree.keep_path(path): the feature rows of the root and the path's nodes become those
+        of the last 1 + len(path) positions."""
+        tree, self._tree_rows = self._tree_rows, None
+        if tree is None:
+            raise BackendError("keep_tree_path: no draft tree's feature rows were noted")
+        self._store.append(tree[[0, *(i + 1 for i in path)]])
 
     def token_embeddings(self) -> Any:
         """The target's token embeddings (V, H) as an mx array, unscaled (what llama.cpp's EAGLE-3

@@ -28,7 +28,9 @@ protocol the mlx-lm model classes use (mlx-lm 0.32.2):
     context + tree keys; they are broadcast to the n+1 batch rows (each query a single token).
 After the forward the real caches are trimmed back to n_past (the tree is invisible to plain
 decoding), and the tree's keys/values are kept aside until `keep_path` writes the rows of the root
-and the accepted path after the context (KVCache.update_and_fetch) and sets n_past.
+and the accepted path after the context (KVCache.update_and_fetch) and sets n_past. A feature target
+(backends.mlx_features, for EAGLE-3, DFlash and DSpark heads) keeps the tree's feature rows
+(`note_tree`) and stores the kept path's (`keep_tree_path`).
 
 Cost: the linear layers see the same n+1 rows as a chain; the attention reads the context once per
 tree row (broadcast keys), like n+1 single-token decodes; for long contexts and wide trees that
@@ -182,6 +184,8 @@ def eval_tree(backend: MlxBackend, root: int, tokens: Sequence[int],
                                "bypassed a layer's cache")
         mx.eval(logits, tree_kv, backend._cache_arrays())
         out = np.array(logits, copy=True)
+        if hasattr(backend, "note_tree"):  # a feature target (mlx_features): the tree's feature rows
+            backend.note_tree(parents)
     finally:
         for c in backend._caches:  # the tree stays out of the context until keep_path
             c.trim(c.offset - n_past)
@@ -207,6 +211,8 @@ def keep_path(backend: MlxBackend, path: Sequence[int]) -> None:
         c.update_and_fetch(mx.take(k, rows, axis=2), mx.take(v, rows, axis=2))
     mx.eval(backend._cache_arrays())
     backend._n_past = pending.n_past + len(path) + 1
+    if hasattr(backend, "keep_tree_path"):
+        backend.keep_tree_path(path)
 
 
 def drop_tree(backend: MlxBackend) -> None:

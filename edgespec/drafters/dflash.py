@@ -12,6 +12,13 @@ with those q rows is exact speculative sampling.
 The head's cache is synced to each call's context by common prefix, like EagleDrafter's: rows of
 positions whose tokens changed are dropped and re-injected from the target's features, so partial
 rejection, full acceptance and new prompts need no special case. The block's own K/V never stay.
+
+Trees (`draft_tree`, DDTree-style): the same block's chain plus, at each position, the next most likely
+tokens of that position's row as side leaves, ranked by reach × probability to the node budget
+(drafters.head_tree.block_tree over tree_draft.side_tree). No forward beyond the chain's block: a row's
+alternatives are leaves, since the block has no rows after a token the chain did not draft. A side
+leaf at row i shares its parent (the chain's token i−1) with the chain's token i, so DSpark's rows,
+biased by that parent, are the right distribution for it too.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.drafters.base import Chain, Draft, DraftCost, HeadDrafter, common_prefix
+from edgespec.drafters.head_tree import block_tree, rank_dist
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams
+from edgespec.tree import DraftTree
 
 F32 = npt.NDArray[np.float32]
 
@@ -89,6 +98,24 @@ class DFlashDrafter(HeadDrafter):
                 break
             prev = x
         return chain.draft(self._synced)
+
+    def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
+                   rng: np.random.Generator) -> DraftTree:
+        """The block's chain of min(max_depth, max_nodes, B−1) drafts after `context` and the alternatives
+        its rows rank next, up to `max_nodes` in all (module docstring; confidences conditional)."""
+        n = min(max_depth, max_nodes, self.head.block_size - 1)
+        if n <= 0 or not context:
+            return DraftTree([], [])
+        self.sync(context)
+        row = self._rows(context[-1], n)
+        chain, prev, dists = Chain(params, rng, None), context[-1], []
+        for i in range(n):
+            logits, conf = row(i, prev)
+            prev = chain.step(logits, conf)
+            assert prev is not None  # no stop rule
+            dists.append(rank_dist(logits) if params.greedy else chain.rows[-1])
+        q = np.stack(chain.rows) if chain.rows else None
+        return block_tree(chain.tokens, dists, max_nodes, q, rng)
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
         """Run the block of `n` drafts after `anchor`; returns row(i, prev): the logits (V,) of draft

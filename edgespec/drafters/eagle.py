@@ -10,6 +10,15 @@ Chain positions are never kept: after verification the target has features for t
 and the next call redoes those positions from them (llama.cpp's process() overwrites them the same
 way). The head's KV cache is synced to each call's context by common prefix, like
 DraftModelDrafter's, so partial rejection, full acceptance and new prompts need no special case.
+
+Trees (`draft_tree`): EAGLE-2's dynamic tree (drafters.head_tree.dynamic_tree). Expanding a node runs
+the head on the pair (its token, its parent's h) at head position N−2+depth, after its ancestors'
+pairs. The runners' KV caches are linear (one sequence, truncate to roll back), so the head's state
+branches by replay, not by a batched step with per-node parents: the nodes of a depth are expanded
+one decode each, in path order, the cache truncated to the deepest ancestor the node shares with the
+previous expansion and the rest of its path decoded again from the h values kept per node (a sibling
+costs a one-pair decode, a cousin a short replay). EAGLE-2 batches a depth in one step with tree
+attention; this costs up to TOP_K head steps per depth instead of one.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.drafters.base import Chain, Draft, DraftCost, HeadDrafter, common_prefix
+from edgespec.drafters.head_tree import TOP_K, dynamic_tree, rank_dist
 from edgespec.errors import EdgespecError
-from edgespec.sampling import SamplingParams
+from edgespec.sampling import SamplingParams, process_rows
+from edgespec.tree import DraftTree
 
 F32 = npt.NDArray[np.float32]
 
@@ -90,6 +101,36 @@ class EagleDrafter(HeadDrafter):
             out, h = self.head.decode([x], h)
             logits = out[0]
         return chain.draft(self._synced)
+
+    def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
+                   rng: np.random.Generator, top_k: int = TOP_K) -> DraftTree:
+        """EAGLE-2's dynamic tree of at most `max_nodes` nodes and depth `max_depth` after `context`
+        (drafters.head_tree.dynamic_tree: top_k nodes expanded per depth, top_k children each; greedy
+        reranked by cumulative confidence, sampled drawn without replacement within a per-depth budget;
+        confidences conditional). See the module docstring for how the head's state branches."""
+        first = self.sync(context) if max_nodes > 0 and max_depth > 0 else None
+        if first is None:
+            return DraftTree([], [])
+        logits, h_root = first
+        base = self.head.n_past  # the context's pairs; node at depth d sits at base + d − 1
+        dist = rank_dist if params.greedy else (lambda z: process_rows(z[None], params)[0].dense())
+        hs: dict[int, F32] = {}  # node → the pre-norm h of its pair (the g of its children's pairs)
+        cached: list[int] = []  # the nodes whose pairs the head holds from position base on, in path order
+
+        def expand(path: list[int], tokens: list[int]) -> npt.NDArray[np.float64]:
+            nonlocal cached
+            k = common_prefix(cached, path[:-1])
+            self.head.truncate(base + k)
+            g = np.concatenate([hs[path[j - 1]] if j > 0 else h_root for j in range(k, len(path))])
+            out, hs[path[-1]] = self.head.decode(tokens[k:], g, rows="last")
+            cached = list(path)
+            return dist(out[0])
+
+        try:
+            return dynamic_tree(dist(logits), expand, max_nodes=max_nodes, max_depth=max_depth,
+                                sampled=not params.greedy, rng=rng, top_k=top_k)
+        finally:
+            self.head.truncate(base)
 
     def measure_ms_per_token(self, repeats: int = 8) -> float:
         """Median ms of one chain step (a one-pair decode and its argmax), timed on scratch positions

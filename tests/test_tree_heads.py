@@ -1,0 +1,235 @@
+"""Draft trees from feature heads (drafters.head_tree): EAGLE-3's dynamic tree (EAGLE-2), DFlash's and
+DSpark's per-position alternatives. Greedy tree speculation == plain greedy, token for token, with trees
+larger than the chain and alternatives accepted: on each kind's reference drafter (fast), on tiny heads
+on llama.cpp and on MLX (real). Sampled trees obey tree.DraftTree's convention (siblings distinct, one q
+row per sibling group, tokens with q > 0, confidences the conditional probabilities) and run through the
+engine. (verify_tree's losslessness itself: tests/test_tree_verify.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from head_cases import (
+    BACKENDS,
+    GREEDY,
+    HELD_OUT,
+    KINDS,
+    RUNTIMES,
+    SAMPLED,
+    chain_rows,
+    greedy_lossless,
+    reference,
+)
+from mlx_fixtures import own_mlx_home  # noqa: F401 (MLX targets convert their GGUFs into a module's own home)
+from test_lossless_reference import PROMPTS
+
+import edgespec
+from edgespec import tree_step
+from edgespec.drafters.base import can_draft_trees
+from edgespec.drafters.head_tree import dynamic_tree, rank_dist
+from edgespec.engine import Engine
+from edgespec.sampling import process
+from edgespec.tree import DraftTree
+
+GAMMA, NODES = 4, 16
+
+
+@pytest.fixture
+def trees(monkeypatch):
+    """Every tree the engine verifies, and how many accepted paths left the first-child chain."""
+    seen = {"trees": [], "off": 0}
+    verify = tree_step.verify_tree
+
+    def counting(logits, tree, params, rng):
+        path, token = verify(logits, tree, params, rng)
+        seen["trees"].append(tree)
+        seen["off"] += any(tree.children(tree.parents[i])[0] != i for i in path)
+        return path, token
+
+    monkeypatch.setattr(tree_step, "verify_tree", counting)
+    return seen
+
+
+def _summary(stats, seen, accepting: bool = True) -> tuple[float, int, int]:
+    """(nodes per tree cycle, drafts accepted, tree cycles), asserting trees beat chains in size."""
+    cycles = sum(s.tree_cycles for s in stats)
+    nodes = [d for s in stats for d, _ in s.cycles]
+    accepted = sum(s.n_accepted for s in stats)
+    assert cycles > 0 and (accepted > 0 or not accepting)
+    assert all(t.n_nodes <= NODES and max(t.depth, default=0) <= GAMMA for t in seen["trees"])
+    per_cycle = sum(nodes) / len(nodes)
+    assert per_cycle > GAMMA  # more than the chain
+    return per_cycle, accepted, cycles
+
+
+def check_convention(tree: DraftTree, sampled: bool, max_nodes: int, max_depth: int) -> None:
+    """DraftTree's convention for a drafter's tree: topological, within budget, siblings distinct (the
+    constructor checks), q None when greedy; sampled, siblings share one q row in which each has q > 0;
+    confidences are each node's probability in the row it was drawn or ranked from."""
+    assert 0 < tree.n_nodes <= max_nodes and max(tree.depth) <= max_depth
+    assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+    assert tree.confidence is not None and all(0 < c <= 1 for c in tree.confidence)
+    if not sampled:
+        assert tree.q is None
+        return
+    assert tree.q is not None
+    for node in [-1, *range(tree.n_nodes)]:
+        kids = tree.children(node)
+        for c in kids:
+            assert np.array_equal(tree.q[c], tree.q[kids[0]])
+            assert tree.q[c, tree.tokens[c]] > 0
+            assert tree.confidence[c] == pytest.approx(tree.q[c, tree.tokens[c]])
+        assert len({tree.tokens[c] for c in kids}) == len(kids)
+
+
+# -- the reference drafters (fast) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tree_equals_plain_on_reference(kind, trees):
+    ref = reference(kind)
+    assert can_draft_trees(ref.drafter)
+    stats = greedy_lossless(Engine(ref.target, ref.drafter, num_draft=GAMMA, tree=NODES), PROMPTS, 48)
+    per_cycle, accepted, cycles = _summary(stats, trees)
+    print(f"{kind}: {cycles} tree cycles, {per_cycle:.1f} nodes/cycle, {accepted} accepted, "
+          f"{trees['off']} paths off the first-child chain")
+    assert trees["off"] > 0  # alternatives, not only the chain, were accepted
+
+
+def _parent_logits(drafter, ctx: list[int], tree: DraftTree, i: int) -> np.ndarray:
+    """The head's logits after node i's parent's path (what node i was ranked or drawn from)."""
+    path = tree.path(i)[:-1]
+    if drafter.name == "eagle3":
+        z, g = drafter.sync(ctx)
+        drafter.head.truncate(len(ctx) - 1)
+        for j in path:
+            out, g = drafter.head.decode([tree.tokens[j]], g)
+            z = out[0]
+        return z
+    rows, _ = chain_rows(drafter, ctx, [*(tree.tokens[j] for j in path), 0], GAMMA)  # DSpark: biased by the parent
+    return rows[len(path)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_trees_hold_the_chain_and_conditional_confidences(kind):
+    """Greedy: a block kind's first γ nodes are draft()'s chain, EAGLE-3's first-child walk is a prefix
+    of it; every confidence is the node's raw-softmax probability given its parent (not a product)."""
+    ref = reference(kind)
+    target, drafter = ref.target, ref.drafter
+    for text in ["abcabc", "bbca", "cabbacab"]:
+        ctx = target.tokenize(text)
+        target.truncate(0)
+        target.eval(ctx[:-1], rows="none")
+        chain = drafter.draft(ctx, GAMMA, GREEDY, np.random.default_rng(0)).tokens
+        tree = drafter.draft_tree(ctx, NODES, GAMMA, GREEDY, np.random.default_rng(0))
+        check_convention(tree, False, NODES, GAMMA)
+        walk, node = [], -1
+        while tree.children(node):
+            node = tree.children(node)[0]
+            walk.append(tree.tokens[node])
+        if kind == "eagle3":
+            assert walk and walk == chain[:len(walk)]
+        else:
+            assert tree.tokens[:len(chain)] == chain and tree.parents[:len(chain)] == list(range(-1, len(chain) - 1))
+        assert tree.n_nodes > len(chain)
+        for i in range(tree.n_nodes):  # conditional: the probability in the parent's row, not a product
+            assert tree.confidence[i] == pytest.approx(rank_dist(_parent_logits(drafter, ctx, tree, i))[tree.tokens[i]])
+        assert drafter.draft(ctx, GAMMA, GREEDY, np.random.default_rng(0)).tokens == chain  # draft() unchanged
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_trees_obey_the_convention_and_run(kind):
+    ref = reference(kind, noise=0.5)
+    target, drafter = ref.target, ref.drafter
+    rng, wide = np.random.default_rng(7), 0
+    for text in ["abcabc", "bbca", "cabbacab", "aaab"]:
+        ctx = target.tokenize(text)
+        target.truncate(0)
+        target.eval(ctx[:-1], rows="none")
+        for nodes, depth in [(16, 4), (5, 3), (1, 1)]:
+            for _ in range(5):
+                tree = drafter.draft_tree(ctx, nodes, depth, SAMPLED, rng)
+                check_convention(tree, True, nodes, depth)
+                wide += any(len(tree.children(i)) > 1 for i in range(-1, tree.n_nodes))
+                if nodes == 16:
+                    for i in range(tree.n_nodes):  # each row: the processed head row after the parent's path
+                        want = process(_parent_logits(drafter, ctx, tree, i), SAMPLED)
+                        np.testing.assert_allclose(tree.q[i], want, rtol=0, atol=1e-9)
+    assert wide > 0
+    engine = Engine(target, drafter, num_draft=GAMMA, tree=NODES)
+    g = engine.generate("abcab", max_tokens=48, temperature=0.8, top_p=0.95, seed=3)
+    assert len(g.tokens) == 48 and g.stats.tree_cycles > 0 and g.stats.n_accepted > 0
+    again = engine.generate("abcab", max_tokens=48, temperature=0.8, top_p=0.95, seed=3)
+    assert again.tokens == g.tokens  # seeded: reproducible
+
+
+def test_dynamic_tree_expands_the_best_nodes_and_reranks():
+    """EAGLE-2 on a known model: every node's children distribution is the same 4-token one; greedy
+    expands the top-k of each depth and keeps the max_nodes likeliest paths, as a subtree; sampled
+    keeps within the budget per depth and draws without replacement."""
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    calls = []
+
+    def expand(path, tokens):
+        calls.append(tuple(tokens))
+        return p
+
+    tree = dynamic_tree(p, expand, max_nodes=6, max_depth=3, sampled=False, rng=np.random.default_rng(0), top_k=2)
+    # values: depth 1: .5 .3; depth 2: .25 .15 (under .5), .15 .09 (under .3); depth 3 under .25/.15 ...
+    assert calls[:3] == [(0,), (1,), (0, 0)]
+    paths = [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(tree.n_nodes)]
+    assert paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert tree.confidence == [0.5, 0.3, 0.5, 0.3, 0.5, 0.5]
+    s = dynamic_tree(p, expand, max_nodes=6, max_depth=3, sampled=True, rng=np.random.default_rng(1), top_k=2)
+    check_convention(s, True, 6, 3)
+    assert [s.depth.count(d) for d in (1, 2, 3)] == [2, 2, 2]  # ⌈6/3⌉ per depth
+
+
+# -- tiny heads on llama.cpp and MLX (real) -------------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.usefixtures("own_mlx_home")
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("name", KINDS)
+def test_greedy_tree_equals_plain_on_a_tiny_target(tiny_head, name, runtime, trees):
+    target, head = tiny_head(name)
+    with edgespec.load(target, drafter=head, backend=BACKENDS[runtime], n_ctx=512, threads=1,
+                       num_draft=GAMMA, tree=NODES) as engine:
+        assert can_draft_trees(engine.drafter) and engine.drafter.name == name
+        stats = greedy_lossless(engine, HELD_OUT[:3], 32)
+        per_cycle, accepted, cycles = _summary(stats, trees, accepting=name == "eagle3")
+        print(f"{name} on {runtime}: {cycles} tree cycles, {per_cycle:.1f} nodes/cycle, {accepted} accepted "
+              f"({sum(s.n_drafted for s in stats)} nodes), {trees['off']} paths off the first-child chain")
+        g = engine.generate(HELD_OUT[3], max_tokens=24, temperature=0.8, top_p=0.95, seed=5)
+        assert len(g.tokens) == 24 and g.stats.tree_cycles > 0
+    for t in trees["trees"][-g.stats.tree_cycles:]:
+        check_convention(t, True, NODES, GAMMA)
+    if name == "eagle3":  # the fitted head is right often; the random block heads rarely
+        assert trees["off"] > 0
+
+
+@pytest.mark.real
+@pytest.mark.usefixtures("own_mlx_home")
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_sampled_rows_are_the_heads_processed_rows(tiny_head, runtime):
+    """A sampled EAGLE-3 tree's q row of a child of node i is the processed head distribution after
+    node i's path, as a chain drafted along that path computes it (the replayed cache is the chain's)."""
+    target_path, head = tiny_head("eagle3")
+    with edgespec.load(target_path, drafter=head, backend=BACKENDS[runtime], n_ctx=256, threads=1,
+                       num_draft=GAMMA, tree=NODES) as engine:
+        drafter, target = engine.drafter, engine.target
+        ctx = target.tokenize(HELD_OUT[0])
+        target.eval(ctx[:-1], rows="none")
+        tree = drafter.draft_tree(ctx, NODES, GAMMA, SAMPLED, np.random.default_rng(2))
+        check_convention(tree, True, NODES, GAMMA)
+        logits, h = drafter.sync(ctx)
+        for i in range(tree.n_nodes):
+            path = tree.path(i)
+            drafter.head.truncate(len(ctx) - 1)
+            z, g = logits, h
+            for j in path[:-1]:
+                out, g = drafter.head.decode([tree.tokens[j]], g)
+                z = out[0]
+            np.testing.assert_allclose(tree.q[i], process(z, SAMPLED), rtol=0, atol=2e-3)
+        assert rank_dist(logits).sum() == pytest.approx(1.0)
