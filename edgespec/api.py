@@ -37,9 +37,11 @@ def load(
         n_gpu_layers: layers offloaded on CUDA/Metal builds of llama.cpp (-1 = all).
         num_draft: γ, draft tokens per cycle, or "auto" (default): the scheduler picks γ per cycle,
             0 (a plain step) when speculation would lose.
-        tree: "off" (default), or N: every cycle verifies a draft tree of up to N nodes and depth γ
-            in one forward (needs a fixed num_draft, and a drafter that drafts trees: a draft model,
-            n-gram, Medusa; others draft chains). Lossless as chains are.
+        tree: "off" (default); "auto": under num_draft "auto", each cycle verifies a draft tree
+            instead of the chain when it is priced faster (greedy decoding, or deterministic drafts);
+            or N: every cycle verifies a draft tree of up to N nodes and depth γ in one forward (needs
+            a fixed num_draft). Drafters that draft trees: draft models, n-gram, Medusa, EAGLE-3,
+            DFlash, DSpark heads; others draft chains. Lossless as chains are.
         verbose: show the backend's own log.
 
     Returns:

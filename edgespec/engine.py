@@ -36,7 +36,7 @@ from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import K_MAX, check_num_draft
 from edgespec.stats import Stats
 from edgespec.text import StopMatcher, StreamDecoder
-from edgespec.tree_step import check_tree, tree_cycle
+from edgespec.tree_step import check_tree, tree_cycle, tree_scheduling, verify_tree_cycle
 from edgespec.verify import accept_greedy, verify_stochastic
 
 log = logging.getLogger("edgespec")
@@ -68,7 +68,7 @@ class Engine(Generating):
     def __init__(self, target: Backend, drafter: Drafter | None = None, num_draft: int | str = "auto",
                  pricing: Pricing | None = None, tree: int | str = "off") -> None:
         self.target = target
-        self.tree, self._tree_ops = check_tree(tree), None  # trees of up to `tree` nodes (tree_step); 0: off
+        self.tree, self._tree_ops = check_tree(tree), None  # N: forced trees, "auto": priced (tree_step); 0: off
         self.drafter = drafter  # may be swapped between generations (bench): schedulers are per drafter
         self.pricing = pricing or Pricing(target)
         self.num_draft = check_num_draft(num_draft)
@@ -139,7 +139,8 @@ class Engine(Generating):
             self._steps = learn
             if gamma != 0:  # pricing may time the target in its KV cache: the context is forgotten then
                 self.pricing.measure_exact_batch()
-            sched = None if gamma != "auto" else scheduler or self.pricing.scheduler(self.drafter, params.greedy)
+            sched = None if gamma != "auto" else scheduler or tree_scheduling(
+                self, self.pricing.scheduler(self.drafter, params.greedy))
             self._forget_evicted()
             ids = (self.target.tokenize(prompt, add_special, parse_special) if isinstance(prompt, str)
                    else [int(t) for t in prompt])
@@ -336,7 +337,7 @@ class Engine(Generating):
                stats: Stats, sched: Scheduling | None) -> tuple[list[int], int]:
         """One speculative cycle (γ = 0: a plain step); with a scheduler, `gamma` is only the limit.
         Returns (emitted tokens, drafts accepted)."""
-        if self.tree and gamma > 0 and can_draft_trees(self.drafter):
+        if self.tree != "auto" and self.tree and gamma > 0 and can_draft_trees(self.drafter):
             return tree_cycle(self, pending, gamma, params, rng, stats)
         t0, n_cached = time.perf_counter(), len(self._kv)
         draft, plan = Draft([]), None
@@ -350,6 +351,8 @@ class Engine(Generating):
                     draft = self.drafter.draft(context, gamma, params, rng)
             finally:
                 context.pop()
+            if plan is not None and plan.tree is not None:  # the scheduler chose a tree (tree_step)
+                return verify_tree_cycle(self, pending, plan.tree, params, rng, stats, t0, sched, plan)
             draft = self._through_end(draft.head(gamma))
         x = draft.tokens  # x̃₁..x̃γ
         q = draft.q[: len(x)] if draft.q is not None else None  # (γ, V)

@@ -32,7 +32,7 @@ from edgespec.drafters.registry import (
     plan_model,
 )
 from edgespec.engine import Engine
-from edgespec.schedule.scheduler import check_num_draft
+from edgespec.schedule.scheduler import K_MAX, check_num_draft
 from edgespec.tree_step import check_tree
 
 Spec = str | os.PathLike[str]
@@ -57,7 +57,7 @@ class Plan:
     drafters: tuple[DrafterPlan, ...]  # none: plain decoding
     options: Options = Options()
     num_draft: int | str = "auto"
-    tree: int = 0  # draft trees of up to this many nodes every cycle (tree_step; 0: chains)
+    tree: int | str = 0  # N: draft trees of up to N nodes every cycle, "auto": priced each cycle (tree_step); 0: chains
 
     @property
     def layers(self) -> tuple[int, ...] | None:
@@ -85,7 +85,9 @@ def plan(target: Spec | None = None, drafters: Spec | Sequence[Spec] | None = ()
         drafters: a drafter spec or several (bench); None / "none" for none (drafters.registry).
         backend: "llama.cpp" or "mlx".
         num_draft: γ, or "auto".
-        tree: "off", or N: draft trees of up to N nodes (and depth γ) every cycle; needs a fixed γ.
+        tree: "off"; "auto": a tree or the chain, priced every cycle under num_draft "auto"
+            (schedule.trees); or N: draft trees of up to N nodes (and depth γ) every cycle, forced,
+            which needs a fixed γ.
         **options: Options' fields (n_ctx, threads, n_gpu_layers, verbose).
     """
     from edgespec.models import DEFAULT_TARGET, resolve_model
@@ -117,7 +119,8 @@ class Session:
         self._plain: Engine | None = None
         self.drafters: dict[str, Drafter] = {}
         opts = asdict(plan.options)
-        leaves = {"tree_leaves": plan.tree} if plan.tree and plan.backend == "llama.cpp" else {}
+        leaves = {"tree_leaves": K_MAX - 1 if plan.tree == "auto" else plan.tree} \
+            if plan.tree and plan.drafters and plan.backend == "llama.cpp" else {}
         with ExitStack() as opened:  # a failure closes what was opened before it
             target = opened.enter_context(open_backend(plan.target, plan.backend, plan.layers, mtp=plan.mtp,
                                                        hidden=plan.hidden, **opts, **leaves))

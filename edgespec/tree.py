@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,13 +33,16 @@ class DraftTree:
     processed draft distribution node i was drawn from BEFORE the tokens of its earlier siblings were
     removed. Drafting siblings without replacement from one distribution repeats that distribution
     (the drafter's at the parent) in every sibling's row; verification removes the earlier siblings'
-    tokens and renormalises. `confidence` (n,) is the drafter's own score per node, carried along.
+    tokens and renormalises. `confidence` (n,) is the drafter's probability of each node's token at
+its parent (the softmax at the parent's position; greedy: what the pricing of trees calibrates and
+multiplies along paths, schedule.trees), carried along.
     """
 
     tokens: list[int]
     parents: list[int]
     q: npt.NDArray[np.float64] | None = None
     confidence: list[float] | None = None
+    chain: Any = None  # the chain Draft (drafters.base) the drafter drew first, if any: its cost fields
     depth: list[int] = field(init=False, repr=False)  # root's children: 1
     _children: list[list[int]] = field(init=False, repr=False)  # index 0: the root's, i+1: node i's
 
@@ -92,6 +96,25 @@ class DraftTree:
             out.append(i)
             i = self.parents[i]
         return out[::-1]
+
+    def first_chain(self) -> list[int]:
+        """Node indices of the chain of first children from the root down (what a chain drafter of
+        the same draft would have proposed)."""
+        out, kids = [], self.children(-1)
+        while kids:
+            out.append(kids[0])
+            kids = self.children(kids[0])
+        return out
+
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """The tree of the nodes `keep` (each one's parent kept too, or -1), in their index order."""
+        keep = sorted(keep)
+        if len(keep) == self.n_nodes:
+            return self
+        new = {old: k for k, old in enumerate(keep)}
+        parents = [-1 if self.parents[i] < 0 else new[self.parents[i]] for i in keep]
+        return DraftTree([self.tokens[i] for i in keep], parents, None if self.q is None else self.q[keep],
+                         None if self.confidence is None else [self.confidence[i] for i in keep])
 
     def attention_mask(self) -> npt.NDArray[np.bool_]:
         """(n+1, n+1) bool; row/column 0 is the root, i+1 node i. [a, b] is True iff b is a or one of

@@ -238,7 +238,7 @@ class LlamaCppBackend(_VocabCalls):
         cp = ll.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads = cp.n_threads_batch = threads
-        cp.n_seq_max, cp.kv_unified = 1 + tree_leaves, tree_leaves > 0  # a seq per tree leaf (llama_tree)
+        cp.n_seq_max, cp.kv_unified, self.tree_leaves = 1 + tree_leaves, tree_leaves > 0, tree_leaves  # llama_tree
         cp.swa_full = True  # sliding-window caches (Gemma 3) must keep what rollback may return to
         cp.no_perf = True
         self._configure_context(cp)

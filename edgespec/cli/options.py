@@ -108,8 +108,10 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                                 "converted to MLX once and cached; needs `pip install 'edgespec\\[mlx]'`)."),  # \[: not rich markup
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
                                          "costs and acceptance (0 = plain steps when speculation would lose)."),
-    "tree": (("--tree",), "Draft trees: 'off', or N: every cycle verifies a tree of up to N nodes and depth γ in one "
-                          "forward (needs a fixed -k; a draft model, n-gram or Medusa head drafts them)."),
+    "tree": (("--tree",), "Draft trees: 'off'; 'auto': under -k auto each cycle verifies a tree or the chain, whichever "
+                          "is priced faster (greedy, or n-gram drafts); or N: every cycle verifies a tree of up to N "
+                          "nodes and depth γ in one forward (needs a fixed -k). Drafters with trees: draft models, "
+                          "n-gram, Medusa, EAGLE-3/DFlash/DSpark heads."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),
     "top_k": (("--top-k",), "Keep the k most likely tokens (0 = off)."),
     "top_p": (("--top-p",), "Nucleus sampling mass in (0, 1] (1 = off)."),

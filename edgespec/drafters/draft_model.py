@@ -136,7 +136,9 @@ class DraftModelDrafter:
             dists = self._dists[: len(chain.tokens)] if chain.q is None else list(chain.q)  # sampled: q itself
         finally:
             self._dists = None
-        return side_tree(chain.tokens, dists, max_nodes, chain.q, rng, chain.confidence)
+        tree = side_tree(chain.tokens, dists, max_nodes, chain.q, rng, chain.confidence)
+        tree.chain = chain
+        return tree
 
     def _handed(self, missed: int, n_context: int) -> bool:
         """Take the target's cells (it holds exactly the context but its last token) when copying

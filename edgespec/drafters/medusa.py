@@ -143,6 +143,7 @@ class MedusaDrafter:
         paths, scores = best_paths([pr for _, pr in ranked], max_nodes)
         index = {path: i for i, path in enumerate(paths)}
         parents = [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
+        scores = [s / (scores[par] if par >= 0 else 1.0) for s, par in zip(scores, parents)]  # at the parent
         if params.greedy:
             tokens = [int(ranked[len(path) - 1][0][path[-1]]) for path in paths]
             return DraftTree(tokens, parents, None, scores)

@@ -80,9 +80,11 @@ class NgramDrafter:
                    rng: np.random.Generator) -> DraftTree:
         """The continuations of every earlier occurrence of the longest suffix n-gram that has one,
         most recent first, merged where they agree, up to max_nodes nodes: the first child at each
-        level is what `draft` copies (the latest match). A scan of the context (O(context) a call)."""
+        level is what `draft` copies (the latest match, the tree's `chain`). A node's confidence is
+        the share of the continuations through its parent that go on with its token. A scan of the
+        context (O(context) a call)."""
         ctx = np.asarray(context, dtype=np.int64)
-        L, tokens, parents = len(ctx), [], []
+        L, tokens, parents, count = len(ctx), [], [], []
         kids: dict[tuple[int, int], int] = {}  # (parent, token) -> node
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             starts = np.flatnonzero(ctx[: L - n] == ctx[L - n])
@@ -97,10 +99,15 @@ class NgramDrafter:
                         kids[node, t] = len(tokens)
                         tokens.append(t)
                         parents.append(node)
+                        count.append(0)
                     node = kids[node, t]
+                    count[node] += 1
             if tokens:
                 break
-        return DraftTree(tokens, parents)
+        through = [sum(count[c] for c in range(len(tokens)) if parents[c] == -1)] + count  # the root's, then each node's
+        conf = [count[i] / max(1, through[par + 1]) for i, par in enumerate(parents)]
+        return DraftTree(tokens, parents, confidence=conf,
+                         chain=self.draft(context, max_depth, params, rng) if tokens else None)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> None:
         """None: a lookup costs microseconds, nothing the scheduler needs to price."""

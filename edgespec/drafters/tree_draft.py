@@ -28,7 +28,8 @@ def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], m
               confidence: Sequence[float] | None = None) -> DraftTree:
     """The chain `tokens` (dists[i]: the drafter's distribution its token i came from, (V,)) and up
     to max_nodes − len(tokens) side leaves (module docstring). q: the chain's sampled rows (D, V),
-    or None when greedy; sampled, `rng` draws the alternatives."""
+    or None when greedy; sampled, `rng` draws the alternatives. A side leaf's confidence is its
+    probability at its position (conditional on its parent, as the chain's are)."""
     d = len(tokens)
     tokens, parents = list(tokens[:max_nodes]), list(range(-1, min(d, max_nodes) - 1))
     room = max_nodes - len(tokens)
@@ -66,5 +67,5 @@ def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], m
             if rows is not None:
                 rows.append(q[i])
             if conf is not None:
-                conf.append(float(reach[i] * dists[i][y]))
+                conf.append(float(dists[i][y]))
     return DraftTree(tokens, parents, None if rows is None else np.stack(rows), conf)

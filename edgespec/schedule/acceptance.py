@@ -58,10 +58,14 @@ class Calibration:
         return (self.hits[b] + self.strength * (c if prior is None else prior)) / (self.tries[b] + self.strength)
 
     def observe(self, confidence: Sequence[float], accepted: int) -> None:
+        """A verified chain: its first `accepted` tokens passed, the next (if drafted) failed."""
         for i, c in enumerate(confidence[: accepted + 1]):
-            b = min(int(c * 10), 9)
-            self.hits[b] = self.decay * self.hits[b] + (i < accepted)
-            self.tries[b] = self.decay * self.tries[b] + 1
+            self.observe_one(c, i < accepted)
+
+    def observe_one(self, c: float, ok: bool) -> None:
+        b = min(int(c * 10), 9)
+        self.hits[b] = self.decay * self.hits[b] + ok
+        self.tries[b] = self.decay * self.tries[b] + 1
 
 
 class Shadows:

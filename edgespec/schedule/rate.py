@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def best_gamma(survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float],
@@ -55,6 +56,7 @@ class Decision:
     seconds: float = 0.0  # time the decision itself took (plan + cut, not drafting)
     member: str | None = None  # a chain's member whose proposal is verified (drafters.chain)
     draft_ms: float = 0.0  # the part of `ms` spent drafting (sunk once the draft is made)
+    tree: Any = None  # the draft tree to verify instead of the chain (schedule.trees; edgespec.tree.DraftTree)
 
     @property
     def rate(self) -> float:

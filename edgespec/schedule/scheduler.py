@@ -60,6 +60,7 @@ class Scheduler:
     cost: CostModel
     prior: InitVar[float | None] = None  # acceptance this (target, drafter) pair showed before (None: never seen)
     learned: Learned = field(init=False)
+    tree_calibration: Calibration = field(init=False)  # of tree nodes beside the chain (schedule.trees)
     _support: int | None = None  # the latest draft's match length (n-gram, history; None: not reported)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
     _left: int | None = None  # tokens this generation may still emit (None: unknown)
@@ -71,7 +72,7 @@ class Scheduler:
     _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
 
     def __post_init__(self, prior: float | None) -> None:
-        self.learned = Learned(prior)
+        self.learned, self.tree_calibration = Learned(prior), Calibration()
 
     def expected_gain(self, baseline_ms: float | None = None) -> tuple[float, float]:
         """Learned.expected_gain of the cost model's speedup (over `baseline_ms` a token, if given)."""
@@ -87,7 +88,7 @@ class Scheduler:
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
         if extra_ms:
             t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
-        gamma, rate = best_gamma(self._survival(None, 0)[:self._cap(limit)], t_draft, t_verify,
+        gamma, rate = best_gamma(self.survival(None, 0)[:self.longest(limit)], t_draft, t_verify,
                                  self.cost.t_rollback(context))
         if gamma and not self.cost.free and self._lag > 1 and self._left is not None:
             # a drafter that has yet to read the prompt starts only if the tokens left pay for it
@@ -113,7 +114,7 @@ class Scheduler:
         rows, block = (limit if free else gamma), self.cost.block  # a free drafter's rest is scored in shadow
 
         def stop(conf: Sequence[float]) -> bool:  # conf[-1]: the next position, not drawn yet
-            s = self._survival(conf, len(conf))[:gamma]
+            s = self.survival(conf, len(conf))[:gamma]
             return cut(s, t_draft, t_verify, rows if block else len(conf), self._rollback)[0] < len(conf)
 
         d = drafter.draft(context, rows, params, rng, stop=stop if gamma and not self._probing else None)
@@ -130,24 +131,25 @@ class Scheduler:
         if d.tokens and not self._probing and (params.greedy or d.q is None):
             # a deterministic draft may be cut after the fact; a sampled one may not (its tokens would
             # decide their own verification), so the stop rule above did its cutting
-            s = self._survival(d.confidence, len(d.tokens))[:min(gamma, len(d.tokens))]
+            s = self.survival(d.confidence, len(d.tokens))[:min(gamma, len(d.tokens))]
             g, tokens = cut(s, t_draft, t_verify, self._drafted, self._rollback)
         else:
             g = len(d.tokens)
-            tokens = 1.0 + sum(self._survival(d.confidence, g)[:g])
+            tokens = 1.0 + sum(self.survival(d.confidence, g)[:g])
         d = d.head(g)
         ms = t_draft[self._drafted] + t_verify[g + 1] + expected_rollback(
-            self._survival(d.confidence, g), g, self._rollback)
+            self.survival(d.confidence, g), g, self._rollback)
         return d, Decision(g, tokens, ms, self._probing, seconds + time.perf_counter() - t1,
                            draft_ms=t_draft[self._drafted])
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
-                context: int | None = None, rollback: float = 0.0) -> None:
+                context: int | None = None, rollback: float = 0.0, verified: int | None = None) -> None:
         """Learn from a verified cycle (times in s) begun with `context` tokens cached (None: as the
-        latest `draft()` saw); `rollback`: a recurrent target's time to restore the accepted ones."""
+        latest `draft()` saw); `rollback`: a recurrent target's time to restore the accepted ones;
+        `verified`: the tokens the verification evaluated (None: the draft's and the pending one)."""
         g = len(draft.tokens)
         context = self._context if context is None else context
-        self.cost.observe_verify(g + 1, t_verify * 1000, context)
+        self.cost.observe_verify(g + 1 if verified is None else verified, t_verify * 1000, context)
         if rollback:
             self.cost.observe_rollback(accepted, rollback * 1000, context)
         if not self._drafted:
@@ -176,13 +178,14 @@ class Scheduler:
         self._lag, self._left = n_prompt, max_tokens
         self.learned.new_generation(costly=not self.cost.free)
 
-    def _cap(self, limit: int) -> int:
+    def longest(self, limit: int) -> int:
         """The longest draft worth verifying now (slow start: long drafts are bet only on a run of
         right ones or, for a copying drafter, on the match it copies from, known at once after a miss)."""
         streak = self.learned.run if self._support is None else self._support
         return min(limit, K_MAX - 1 if self.cost.free else COSTLY_GAMMA, max(SLOW_START, 2 * streak))
 
-    def _survival(self, confidence: Sequence[float] | None, n: int) -> list[float]:
+    def survival(self, confidence: Sequence[float] | None, n: int) -> list[float]:
+        """S_1..S_{K_MAX−1} for a draft of n tokens with these confidences (as the latest draft() prices)."""
         return self.learned.survival(confidence, n, self._sampled)
 
     def _probe(self, limit: int, baseline_ms: float | None = None) -> int:
@@ -195,13 +198,13 @@ class Scheduler:
         gain, hope = self.expected_gain(base)
         if gain <= 0:
             return 0
-        g = max(1, best_gamma([hope ** i for i in range(1, self._cap(limit) + 1)], t_draft, t_verify,
+        g = max(1, best_gamma([hope ** i for i in range(1, self.longest(limit) + 1)], t_draft, t_verify,
                               self._rollback)[0])
         catch_up = self.cost.t_catch_up(self._lag, self._context)
         if fresh:
             left = float("inf") if self._left is None else self._left
             return g if catch_up <= gain * left * (t_verify[1] if base is None else base) else 0
-        s = self._survival(None, 0)
+        s = self.survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(s, g, self._rollback)
                 - (1.0 + sum(s[:g])) * t_verify[1] + catch_up)
         return g if self._plain_ms * PROBE_SHARE * gain >= loss else 0

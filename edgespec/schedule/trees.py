@@ -1,0 +1,155 @@
+"""Draft trees under `-k auto` (`--tree auto`): each cycle verifies the Scheduler's chain, or a tree
+of up to `max_nodes` nodes when the tree is expected to give more tokens per ms.
+
+A drafter that drafts trees (drafters.base.TreeDrafter) is asked for a tree where the Scheduler
+would ask for a chain (`TreeScheduling`, a Scheduling in the engine's loop): its chain of first
+children is the chain the drafter drafts (the tree's `chain`, with its costs), and the Scheduler
+plans, cuts and learns that chain as always. The tree is then priced. Node i is accepted with
+
+    v_i = S_d                    for the chain's node at depth d (the Scheduler's survival),
+    v_i = v_parent · c(conf_i)   for every other node,
+
+c being a calibration (schedule.acceptance.Calibration) of the drafter's conditional probability of
+a node at its parent into the chance the node is accepted once its parent is, learned from the
+nodes verified beside the chain. Greedy, at most one child of a node is accepted, so a subtree
+is expected to emit 1 + Σ v over its nodes; the best subtree of m nodes is the m largest v (a node
+never outvalues its parent; ties keep the earlier node), and
+
+    rate(m) = (1 + Σ_{m largest} v) / (T_draft + T_verify(m + 1)),
+
+T_draft being what the drafting cost (sunk). The tree is verified instead of the chain when its best
+rate beats the chain's planned rate by TREE_MARGIN and it holds more than the chain's nodes.
+
+Trees are priced only for drafts that may be cut after they are made: greedy decoding, or
+deterministic drafts (q None). A sampled draft's own tokens must not decide what is verified (the
+choice would bias the output: drafters.tree_draft), so sampled drafts with q rows verify chains.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from edgespec.drafters.base import Draft, Drafter
+from edgespec.sampling import Dist, SamplingParams
+from edgespec.schedule.acceptance import Calibration
+from edgespec.schedule.rate import Decision
+from edgespec.schedule.scheduler import Scheduler
+from edgespec.tree import DraftTree
+
+TREE_MARGIN = 0.03  # a tree must promise this much more than the chain's rate (its rows cost more to read)
+
+
+def node_values(tree: DraftTree, chain: Sequence[int], survival: Sequence[float], calibration: Calibration,
+                deepest: int) -> np.ndarray:
+    """v per node (the module docstring), 0 below depth `deepest`; a node with no confidence is
+    calibrated as a confidence of 0.5."""
+    v, on_chain, conf = np.zeros(tree.n_nodes), {node: d for d, node in enumerate(chain)}, tree.confidence
+    for i, par in enumerate(tree.parents):
+        if tree.depth[i] > deepest:
+            continue
+        if i in on_chain:
+            v[i] = survival[on_chain[i]] if on_chain[i] < len(survival) else 0.0
+        else:
+            v[i] = (1.0 if par < 0 else v[par]) * calibration(_clip(conf[i] if conf is not None else 0.5))
+    return v
+
+
+def best_subtree(values: np.ndarray, draft_ms: float, t_verify: Sequence[float]) -> tuple[list[int], float, float]:
+    """The nodes of the subtree with the highest rate (the m largest values), its expected tokens and ms;
+    t_verify[k] is T(k), so at most len(t_verify) − 2 nodes."""
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))[: len(t_verify) - 2]
+    best, tokens, best_tokens, best_ms = 0, 1.0, 1.0, draft_ms + t_verify[1]
+    for m, i in enumerate(order, 1):
+        tokens += values[i]
+        if tokens / (draft_ms + t_verify[m + 1]) > best_tokens / best_ms:
+            best, best_tokens, best_ms = m, tokens, draft_ms + t_verify[m + 1]
+    return sorted(order[:best]), best_tokens, best_ms
+
+
+def observe_nodes(calibration: Calibration, tree: DraftTree, chain: Sequence[int], path: Sequence[int]) -> None:
+    """Calibrate on the verified nodes beside the chain whose parent was accepted (or is the root)."""
+    if tree.confidence is None:
+        return
+    reached, first, accepted = {-1, *path}, set(chain), set(path)
+    for i, par in enumerate(tree.parents):
+        if par in reached and i not in first:
+            calibration.observe_one(_clip(tree.confidence[i]), i in accepted)
+
+
+def _clip(c: float) -> float:
+    return min(1.0, max(0.0, float(c)))
+
+
+class _TreeDrafting:
+    """The Scheduler's drafter: drafts a tree, hands the Scheduler the tree's chain (a Draft)."""
+
+    def __init__(self, drafter: Drafter, max_nodes: int) -> None:
+        self.drafter, self.max_nodes, self.tree = drafter, max_nodes, None
+        self.name = getattr(drafter, "name", "drafter")
+
+    def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+              stop=None) -> Draft:
+        tree = self.drafter.draft_tree(context, self.max_nodes, gamma, params, rng)  # type: ignore[attr-defined]
+        chain = tree.first_chain()
+        d = tree.chain if isinstance(tree.chain, Draft) else Draft([])
+        self.tree = tree
+        return Draft([tree.tokens[i] for i in chain], None if tree.q is None else tree.q[chain],
+                     None if tree.confidence is None else [tree.confidence[i] for i in chain],
+                     synced=d.synced, copied=d.copied, support=d.support)
+
+
+class TreeScheduling:
+    """A Scheduler's cycles with trees (module docstring): the engine's Scheduling, plus `observe_tree`
+    for a cycle that verified the tree its Decision carries (`Decision.tree`)."""
+
+    def __init__(self, sched: Scheduler, max_nodes: int) -> None:
+        self.sched, self.max_nodes = sched, max_nodes
+        self._chain: list[int] = []  # the latest tree's chain of first children (node indices)
+
+    def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
+        self.sched.new_generation(n_prompt, max_tokens)
+
+    def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
+              rng: np.random.Generator, baseline_ms: float | None = None) -> tuple[Draft, Decision]:
+        sched, drafting = self.sched, _TreeDrafting(drafter, self.max_nodes)
+        d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
+        tree = drafting.tree
+        if tree is None or not tree.n_nodes or (tree.q is not None and not params.greedy):
+            return d, dec
+        t0 = time.perf_counter()
+        chain = tree.first_chain()
+        conf = None if tree.confidence is None else [tree.confidence[i] for i in chain]
+        values = node_values(tree, chain, sched.survival(conf, len(chain)), sched.tree_calibration,
+                             sched.longest(limit))
+        keep, tokens, ms = best_subtree(values, dec.draft_ms, sched.cost.t_verify(len(context) - 1))
+        rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
+        if len(keep) > len(d.tokens) and set(keep) - set(chain) and tokens / ms > rate * (1.0 + TREE_MARGIN):
+            self._chain = [i for i in chain if i in keep]
+            sub = tree.subtree(keep)
+            dec = replace(dec, gamma=sub.n_nodes, tokens=tokens, ms=ms, tree=sub,
+                          seconds=dec.seconds + time.perf_counter() - t0)
+            return Draft([tree.tokens[i] for i in self._chain]), dec
+        return d, dec
+
+    def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
+                context: int | None = None, rollback: float = 0.0) -> None:
+        self.sched.observe(draft, accepted, t_draft, t_verify, context, rollback)
+
+    def observe_tree(self, tree: DraftTree, path: Sequence[int], t_draft: float, t_verify: float,
+                     context: int | None = None) -> None:
+        """A verified tree (`Decision.tree`): its chain is learned as a chain of its length, its
+        other nodes calibrate the pricing, its verification times T(nodes + 1)."""
+        chain = tree.first_chain()
+        on_chain = 0
+        while on_chain < len(path) and on_chain < len(chain) and path[on_chain] == chain[on_chain]:
+            on_chain += 1
+        observe_nodes(self.sched.tree_calibration, tree, chain, path)
+        self.sched.observe(Draft([tree.tokens[i] for i in chain]), on_chain, t_draft, t_verify, context,
+                           verified=tree.n_nodes + 1)
+
+    def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None:
+        self.sched.emitted(tokens, probs)
