@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from block_copy_heads import fit_bigram, write_block_copy_head
 from head_cases import (
     BACKENDS,
+    FIT_PROMPTS,
     GREEDY,
     HELD_OUT,
     KINDS,
@@ -50,12 +52,12 @@ def trees(monkeypatch):
     return seen
 
 
-def _summary(stats, seen, accepting: bool = True) -> tuple[float, int, int]:
+def _summary(stats, seen) -> tuple[float, int, int]:
     """(nodes per tree cycle, drafts accepted, tree cycles), asserting trees beat chains in size."""
     cycles = sum(s.tree_cycles for s in stats)
     nodes = [d for s in stats for d, _ in s.cycles]
     accepted = sum(s.n_accepted for s in stats)
-    assert cycles > 0 and (accepted > 0 or not accepting)
+    assert cycles > 0 and accepted > 0
     assert all(t.n_nodes <= NODES and max(t.depth, default=0) <= GAMMA for t in seen["trees"])
     per_cycle = sum(nodes) / len(nodes)
     assert per_cycle > GAMMA  # more than the chain
@@ -188,34 +190,44 @@ def test_dynamic_tree_expands_the_best_nodes_and_reranks():
 # -- tiny heads on llama.cpp and MLX (real) -------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def heads(tiny_head, smollm2_path, tmp_path_factory):
+    """kind → (tiny target, head GGUF): the fitted EAGLE-3 head (head_cases.build_tiny_head) and, on its
+    target, DFlash and DSpark heads that draft its bigrams (tests/block_copy_heads.py: the random tiny
+    block heads are almost never right)."""
+    target, eagle = tiny_head("eagle3")
+    d, fit = tmp_path_factory.mktemp("copy_heads"), fit_bigram(target, FIT_PROMPTS)
+    return {"eagle3": (target, eagle),
+            **{k: (target, write_block_copy_head(k, fit, d / f"{k}.gguf", smollm2_path)) for k in ("dflash", "dspark")}}
+
+
 @pytest.mark.real
 @pytest.mark.usefixtures("own_mlx_home")
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("name", KINDS)
-def test_greedy_tree_equals_plain_on_a_tiny_target(tiny_head, name, runtime, trees):
-    target, head = tiny_head(name)
+def test_greedy_tree_equals_plain_on_a_tiny_target(heads, name, runtime, trees):
+    target, head = heads[name]
     with edgespec.load(target, drafter=head, backend=BACKENDS[runtime], n_ctx=512, threads=1,
                        num_draft=GAMMA, tree=NODES) as engine:
         assert can_draft_trees(engine.drafter) and engine.drafter.name == name
-        stats = greedy_lossless(engine, HELD_OUT[:3], 32)
-        per_cycle, accepted, cycles = _summary(stats, trees, accepting=name == "eagle3")
+        stats = greedy_lossless(engine, HELD_OUT[:3] if runtime == "llama" else HELD_OUT[:2], 32)  # MLX: slower here
+        per_cycle, accepted, cycles = _summary(stats, trees)
         print(f"{name} on {runtime}: {cycles} tree cycles, {per_cycle:.1f} nodes/cycle, {accepted} accepted "
               f"({sum(s.n_drafted for s in stats)} nodes), {trees['off']} paths off the first-child chain")
         g = engine.generate(HELD_OUT[3], max_tokens=24, temperature=0.8, top_p=0.95, seed=5)
         assert len(g.tokens) == 24 and g.stats.tree_cycles > 0
     for t in trees["trees"][-g.stats.tree_cycles:]:
         check_convention(t, True, NODES, GAMMA)
-    if name == "eagle3":  # the fitted head is right often; the random block heads rarely
-        assert trees["off"] > 0
+    assert trees["off"] > 0  # alternatives, not only the chain, were accepted
 
 
 @pytest.mark.real
 @pytest.mark.usefixtures("own_mlx_home")
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_sampled_rows_are_the_heads_processed_rows(tiny_head, runtime):
+def test_sampled_rows_are_the_heads_processed_rows(heads, runtime):
     """A sampled EAGLE-3 tree's q row of a child of node i is the processed head distribution after
     node i's path, as a chain drafted along that path computes it (the replayed cache is the chain's)."""
-    target_path, head = tiny_head("eagle3")
+    target_path, head = heads["eagle3"]
     with edgespec.load(target_path, drafter=head, backend=BACKENDS[runtime], n_ctx=256, threads=1,
                        num_draft=GAMMA, tree=NODES) as engine:
         drafter, target = engine.drafter, engine.target
