@@ -23,7 +23,7 @@ from head_cases import (
     reference,
 )
 from mlx_fixtures import own_mlx_home  # noqa: F401 (MLX targets convert their GGUFs into a module's own home)
-from test_lossless_reference import PROMPTS
+from test_lossless_reference import PROMPTS, _empirical, _exact_marginals
 
 import edgespec
 from edgespec import tree_step
@@ -163,6 +163,36 @@ def test_sampled_trees_obey_the_convention_and_run(kind):
     assert len(g.tokens) == 48 and g.stats.tree_cycles > 0 and g.stats.n_accepted > 0
     again = engine.generate("abcab", max_tokens=48, temperature=0.8, top_p=0.95, seed=3)
     assert again.tokens == g.tokens  # seeded: reproducible
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_tree_matches_target_distribution(kind, trees):
+    """Through the engine with each kind's sampled trees (3 deep, up to 9 nodes): the first three
+    tokens' marginals within ~3σ of the exact ones and the first two tokens' joint by chi-square (as
+    tests/test_tree_engine.py for draft models); the head cannot draft token 5, which the target samples."""
+    from scipy.stats import chisquare
+
+    ref, draws, n_pos = reference(kind, noise=0.5), 20_000, 3
+    prompt = ref.target.tokenize("abcabcab")
+    exact, paths = _exact_marginals(ref.target, prompt, SAMPLED, n_pos)
+    spec, pairs = _empirical(Engine(ref.target, ref.drafter, num_draft=3, tree=9), prompt, SAMPLED, n_pos, draws)
+    bound = 3 * np.sqrt(exact * (1 - exact) / draws).sum(axis=1)  # ~3 standard deviations of the TV
+    tv = [0.5 * float(np.abs(spec[pos] - exact[pos]).sum()) for pos in range(n_pos)]
+    print(f"{kind}: TV per position {np.round(tv, 4)} (bounds {np.round(bound, 4)}), "
+          f"{trees['off']} of {len(trees['trees'])} paths off the first-child chain")
+    assert all(tv[pos] <= bound[pos] for pos in range(n_pos)), (tv, bound)
+    joint: dict[tuple[int, ...], float] = {}
+    for path, pr in paths.items():
+        joint[path[:2]] = joint.get(path[:2], 0.0) + pr
+    keys = sorted(joint)
+    expected, observed = np.array([joint[k] for k in keys]) * draws, np.array([pairs.get(k, 0) for k in keys])
+    big = expected >= 5
+    obs, exp = observed[big], expected[big]
+    if (~big).any():  # pool the rare outcomes into one cell
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert trees["off"] > 0.01 * len(trees["trees"])
 
 
 def test_dynamic_tree_expands_the_best_nodes_and_reranks():
