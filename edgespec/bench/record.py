@@ -42,10 +42,11 @@ import numpy as np
 
 from edgespec.bench.provenance import commit, cpu_model
 from edgespec.bench.trace import Trace, TraceSet
-from edgespec.drafters.base import Draft, DraftCost, Drafter
+from edgespec.drafters.base import Draft, DraftCost, Drafter, can_draft_trees
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import COSTLY_GAMMA, K_MAX
+from edgespec.schedule.trees import TreeDrafting
 
 FREE_KINDS = ("ngram", "history")  # drafting costs next to nothing: they are recorded to K_MAX − 1
 Note = Callable[[str], None]
@@ -65,14 +66,15 @@ class _Track:
     support: list[int | None] = field(default_factory=list)
     ms: list[float] = field(default_factory=list)
     accept: list[float] = field(default_factory=list)
+    trees: list[list[list]] = field(default_factory=list)
 
 
 class Recorder:
     """A scheduler (engine.Scheduling) that drafts with every drafter at every position, records,
     and verifies nothing (see the module docstring)."""
 
-    def __init__(self, drafters: Sequence[Drafter], longest: Sequence[int], seed: int = 0) -> None:
-        self.drafters, self.longest, self.seed = list(drafters), list(longest), seed
+    def __init__(self, drafters: Sequence[Drafter], longest: Sequence[int], seed: int = 0, tree_nodes: int = 0) -> None:
+        self.drafters, self.longest, self.seed, self.tree_nodes = list(drafters), list(longest), seed, tree_nodes
         self.new_generation(0)
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
@@ -91,7 +93,13 @@ class Recorder:
         self._first = []
         for d, longest, own, track in zip(self.drafters, self.longest, self.rngs, self.tracks):
             t0 = time.perf_counter()
-            made = d.draft(context, longest, params, own)
+            if self.tree_nodes and params.greedy and can_draft_trees(d):  # the tree's first-child chain is the draft
+                tree = d.draft_tree(context, self.tree_nodes, longest, params, own)  # type: ignore[attr-defined]
+                track.trees.append([tree.tokens, tree.parents,
+                                    [round(float(c), 4) for c in tree.confidence or [0.5] * tree.n_nodes]])
+                made = TreeDrafting.from_tree(tree)
+            else:
+                made = d.draft(context, longest, params, own)
             track.ms.append(round(1000 * (time.perf_counter() - t0), 4))
             tokens = [int(x) for x in made.tokens[:longest]]
             track.drafts.append(tokens)
@@ -125,7 +133,7 @@ class Recorder:
         conf = None if all(c is None for c in t.confidence[:n]) else [c or [] for c in t.confidence[:n]]
         support = None if all(s is None for s in t.support[:n]) else t.support[:n]
         return Trace(task, category, self.n_prompt, self.output[:n], eos, max_tokens, t.drafts[:n], conf,
-                     support, t.accept[:n] if self.sampled else None, t.ms[:n])
+                     support, t.accept[:n] if self.sampled else None, t.ms[:n], t.trees[:n] if t.trees else None)
 
 
 def accept(p: Dist, first: tuple[int, np.ndarray | None] | None) -> float:
@@ -143,7 +151,7 @@ def accept(p: Dist, first: tuple[int, np.ndarray | None] | None) -> float:
 
 def record_tasks(engine, drafters: Sequence[Drafter], tasks: Sequence, temperature: float,
                  longest: Sequence[int], seed: int = 0, chat: bool = False,
-                 note: Note | None = None) -> list[list[Trace]]:
+                 note: Note | None = None, tree_nodes: int = 0) -> list[list[Trace]]:
     """Per drafter, its Trace of each task (bench Tasks: `messages` with the chat template when
     `chat`, else `prompt`; each capped at its max_tokens); task n samples with seed + n."""
     from edgespec.bench.run import run_one, start_cold
@@ -152,7 +160,7 @@ def record_tasks(engine, drafters: Sequence[Drafter], tasks: Sequence, temperatu
     for n, task in enumerate(tasks):
         for d in drafters:
             start_cold(d)
-        rec = Recorder(drafters, longest, seed + n)
+        rec = Recorder(drafters, longest, seed + n, tree_nodes)
         kw = dict(max_tokens=task.max_tokens + 1, temperature=temperature, seed=seed + n, num_draft="auto",
                   scheduler=rec)
         t0 = time.perf_counter()
@@ -179,10 +187,11 @@ def fit_cost(traces: Sequence[Trace], prior: DraftCost | None) -> tuple[float, f
 
 def record(target: str, drafter: str, prompts: Sequence, temperature: float, longest: int | None = None,
            max_tokens: int | None = None, seed: int = 0, threads: int | None = None, n_ctx: int = 2048,
-           note: Note | None = None) -> list[TraceSet]:
+           note: Note | None = None, tree_nodes: int = 0) -> list[TraceSet]:
     """The TraceSet of `drafter` (a chain: one per member, sharing outputs) over `prompts` (bench
     Tasks, each capped at `max_tokens`) on `target` at `temperature`, drafting up to `longest`
-    (None: `default_longest` of each member's kind)."""
+    (None: `default_longest` of each member's kind); greedy, a tree drafter's trees of up to
+    `tree_nodes` nodes (0: none) at every position too."""
     from edgespec.bench.sessions import cap_tokens
     from edgespec.session import Session, plan
 
@@ -198,7 +207,7 @@ def record(target: str, drafter: str, prompts: Sequence, temperature: float, lon
         for i, d in enumerate(drafters):  # a block drafter drafts at most its block (DFlash: B − 1)
             cost = engine.pricing.draft_cost.get(d)
             lengths[i] = min(lengths[i], cost.max_block or lengths[i]) if cost is not None else lengths[i]
-        traced = record_tasks(engine, drafters, tasks, temperature, lengths, seed, chat, note)
+        traced = record_tasks(engine, drafters, tasks, temperature, lengths, seed, chat, note, tree_nodes)
         today, at, sha = datetime.date.today().isoformat(), cpu_model(), commit(Path(__file__).parent)
         sets = []
         for p, d, n, traces in zip(parts, drafters, lengths, traced):
@@ -243,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--longest", type=int, help="longest draft recorded (default: 31 ngram/history, 15 others)")
     ap.add_argument("--seed", type=int, default=0, help="task n samples (target and drafter) with seed + n")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--tree-nodes", type=int, default=0, help="greedy: also record each tree drafter's draft "
+                    "tree of up to this many nodes at every position (its first-child chain is the draft)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=Path("out/traces"))
     args = ap.parse_args(argv)
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         for temp in args.temp or [0.0]:
             note(f"recording {spec} on {args.target} at T {temp:g}: {len(tasks)} tasks")
             for s in record(args.target, spec, tasks, temp, args.longest, args.max_tokens, args.seed,
-                            args.threads, args.ctx, note):
+                            args.threads, args.ctx, note, args.tree_nodes):
                 path = s.save(args.out / file_name(s.drafter, temp))
                 note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB, "
                      f"{sum(len(t.output) for t in s.traces)} tokens)")

@@ -27,8 +27,12 @@ from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
 from edgespec.schedule import chain as chain_mod
+from edgespec.schedule import trees as trees_mod
 from edgespec.schedule import scheduler as scheduler_mod
 from edgespec.schedule.costs import K_MAX
+from edgespec.schedule.trees import TreeScheduling
+from edgespec.tree import DraftTree
+from edgespec.tree_step import within_depth
 
 BASE_CONTEXT = 64  # the context T(k) is profiled after (edgespec.calibration.CONTEXT_TOKENS)
 
@@ -226,6 +230,19 @@ class TraceDrafter:
         support = tr.support[p] if tr.support is not None else None
         return Draft(list(tokens), q, None if conf is None else list(conf), synced=synced, support=support)
 
+    def draft_tree(self, context, max_nodes, max_depth, params, rng, stop=None) -> DraftTree:
+        """The tree recorded at this position (bench.trace: `trees`), cut to the depth its chain is
+        drafted to (`stop` may end it early, as `draft`), then to its first max_nodes nodes (parents
+        come first), drafted at its chain's cost."""
+        tr = self.trace
+        assert tr is not None and tr.trees is not None
+        tokens, parents, conf = tr.trees[len(context) - tr.prompt_len]
+        chain = self.draft(context, max_depth, params, rng, stop)
+        tree = within_depth(DraftTree(tokens, parents, confidence=conf), max(1, len(chain.tokens)))
+        tree = tree.subtree(range(min(max_nodes, tree.n_nodes)))
+        tree.chain = chain
+        return tree
+
     def new_task(self, trace: Trace) -> None:
         self.trace, self._base, self._held = trace, 0, []
 
@@ -242,7 +259,7 @@ class TraceDrafter:
 @contextlib.contextmanager
 def modeled_time(clock: Clock):
     """The scheduling modules read `clock` as their time.perf_counter."""
-    mods = (scheduler_mod, chain_mod)
+    mods = (scheduler_mod, chain_mod, trees_mod)
     saved = [m.time for m in mods]
     try:
         for m in mods:
@@ -259,6 +276,17 @@ def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Re
     return _run_auto(members, device, None)[0]
 
 
+def tree_path(tree: DraftTree, output: list[int], p: int) -> list[int]:
+    """The path greedy verification accepts in `tree` at position p: children matching output[p:]."""
+    path, node = [], -1
+    while p + len(path) < len(output) - 1:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == output[p + len(path)]), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
 def run_autos(members: list[tuple[TraceSet, list[Task]]], device: Any) -> dict[str, list[Result]]:
     """run_auto as `auto` (a pair's first run) and `auto-warm` (a pair run before: its schedulers start
     from the pair records, edgespec.calibration.fold, that first run left, as an engine starts from
@@ -267,17 +295,18 @@ def run_autos(members: list[tuple[TraceSet, list[Task]]], device: Any) -> dict[s
     return {"auto": first, "auto-warm": _run_auto(members, device, records)[0]}
 
 
-def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: list[list[float]] | None
-              ) -> tuple[list[Result], list[list[float]]]:
+def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: list[list[float]] | None,
+              tree_nodes: int = 0) -> tuple[list[Result], list[list[float]]]:
     """run_auto's results, each scheduler starting from its member's record (None: no record), and
-    the records after every task's generation is folded in."""
+    the records after every task's generation is folded in; `tree_nodes` > 0: a single member's
+    recorded trees priced against its chain every cycle (schedule.trees.TreeScheduling)."""
     clock = Clock()
     costs = [Costs(device, ts.kind) for ts, _ in members]
     drafters = [TraceDrafter(ts, c, clock) for (ts, _), c in zip(members, costs)]
     records = [list(r) for r in records] if records else [[0.0, 0.0] for _ in members]
     scheds = [Scheduler(c.model(), mean_acceptance(r)) for c, r in zip(costs, records)]
     chain = ChainScheduler(list(zip(drafters, scheds))) if len(members) > 1 else None
-    sched: Any = chain or scheds[0]
+    sched: Any = chain or (TreeScheduling(scheds[0], tree_nodes) if tree_nodes else scheds[0])
     temp = members[0][0].temperature
     params, rng = SamplingParams(temperature=temp), np.random.default_rng(0)
     out = []
@@ -297,10 +326,16 @@ def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: 
                 t_draft = (clock.now - t0) * 1000
                 g = len(d_.tokens)
                 who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
-                acc = min(g, members[who][1][i].run[p])
-                t_verify = costs[0].verify(g + 1, ctx0 + p)
-                clock.now += t_verify / 1000
-                sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
+                if dec is not None and dec.tree is not None:  # the tree scheduler chose a tree
+                    path = tree_path(dec.tree, tr.output, p)
+                    acc, t_verify = len(path), costs[0].verify(dec.tree.n_nodes + 1, ctx0 + p)
+                    clock.now += t_verify / 1000
+                    sched.observe_tree(dec.tree, path, t_draft / 1000, t_verify / 1000, ctx0 + p)
+                else:
+                    acc = min(g, members[who][1][i].run[p])
+                    t_verify = costs[0].verify(g + 1, ctx0 + p)
+                    clock.now += t_verify / 1000
+                    sched.observe(d_, acc, t_draft / 1000, t_verify / 1000, ctx0 + p)
                 sched.emitted(tr.output[p:p + acc + 1], None)
                 ms, cycles, p = ms + t_draft + t_verify, cycles + 1, p + acc + 1
             out.append(Result(tr.task, tr.category, ms, plain_ms(task, costs[0]), n, cycles))

@@ -9,7 +9,9 @@ drafters) the match it copies from. Greedy replay is exact: a draft of γ at p k
 prefix equal to output[p:]. At T > 0, `accept[p]` is the chance verification accepts the draft's
 first token at p (Σ min(p, q); a one-hot q: p(x̃)): the replay draws each drafted position i of a
 cycle at p as Bernoulli(accept[p + i]), an approximation (the real draft at p + i is made after
-sampled, not recorded, tokens).
+sampled, not recorded, tokens). A trace recorded with trees (record.py --tree-nodes) holds, per
+position, the draft tree a tree drafter made there (greedy), whose chain of first children is
+`drafts[p]`: a tree's accepted path is exact too (edgespec.bench.tree_replay).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Trace:
     support: list[int | None] | None = None  # per position, the match a copying drafter copies from
     accept: list[float] | None = None  # T > 0: per position, P(first draft token accepted)
     draft_ms: list[float] | None = None  # per position, ms the draft took on the recording machine
+    trees: list[list[list]] | None = None  # greedy, per position: a draft tree [tokens, parents, confidences]
 
 
 @dataclass

@@ -136,12 +136,14 @@ class TreeDrafter(Drafter, Protocol):
     """A drafter that can also propose a tree of alternatives (edgespec.tree.DraftTree)."""
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None) -> DraftTree:
         """Propose a tree of at most `max_nodes` nodes, none deeper than `max_depth`, to follow
         `context` (parent -1: the pending last token of `context`). Siblings are in the order they were drawn; greedy, the first child
         is the drafter's first choice. Sampled, a node's q row is the processed distribution it was
         drawn from before its earlier siblings were removed (siblings drawn without replacement;
-        None: deterministic drafts), as DraftTree says."""
+        None: deterministic drafts), as DraftTree says. Confidences: each node's probability at its
+        parent. `stop`: as for `draft`, may end a drafter's chain of first choices early (one that
+        drafts its chain first, paying per token, asks it)."""
         ...
 
 

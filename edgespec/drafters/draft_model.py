@@ -127,12 +127,12 @@ class DraftModelDrafter:
         return Draft(tokens, np.stack(rows) if rows else None, conf, synced, copied=copied)
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None) -> DraftTree:
         """A chain of up to max_depth tokens and, beside them, the alternatives its own forwards rank
         next, up to max_nodes in all (drafters.tree_draft.side_tree)."""
         self._dists = []
         try:
-            chain = self.draft(context, min(max_depth, max_nodes), params, rng)
+            chain = self.draft(context, min(max_depth, max_nodes), params, rng, stop)
             dists = self._dists[: len(chain.tokens)] if chain.q is None else list(chain.q)  # sampled: q itself
         finally:
             self._dists = None

@@ -121,7 +121,7 @@ class MedusaDrafter:
         return chain.draft(0)
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None) -> DraftTree:
         """Medusa's candidate tree of at most `max_nodes` nodes, none deeper than min(`max_depth`, K), after
         `context` (see the module doc)."""
         h = self.hidden(context) if max_nodes > 0 and max_depth > 0 else None

@@ -77,7 +77,7 @@ class NgramDrafter:
         return []
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None) -> DraftTree:
         """The continuations of every earlier occurrence of the longest suffix n-gram that has one,
         most recent first, merged where they agree, up to max_nodes nodes: the first child at each
         level is what `draft` copies (the latest match, the tree's `chain`). A node's confidence is

@@ -84,22 +84,32 @@ def _clip(c: float) -> float:
     return min(1.0, max(0.0, float(c)))
 
 
-class _TreeDrafting:
-    """The Scheduler's drafter: drafts a tree, hands the Scheduler the tree's chain (a Draft)."""
+class TreeDrafting:
+    """The Scheduler's drafter: drafts a tree, hands the Scheduler the tree's chain (`from_tree`)."""
 
     def __init__(self, drafter: Drafter, max_nodes: int) -> None:
-        self.drafter, self.max_nodes, self.tree = drafter, max_nodes, None
+        self.drafter, self.max_nodes = drafter, max_nodes
+        self.tree: DraftTree | None = None
+        self.chain = Draft([])
         self.name = getattr(drafter, "name", "drafter")
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop=None) -> Draft:
-        tree = self.drafter.draft_tree(context, self.max_nodes, gamma, params, rng)  # type: ignore[attr-defined]
+        self.tree = self.drafter.draft_tree(context, self.max_nodes, gamma, params, rng,  # type: ignore[attr-defined]
+                                            stop=stop)
+        self.chain = self.from_tree(self.tree)
+        return self.chain
+
+    @staticmethod
+    def from_tree(tree: DraftTree) -> Draft:
+        """The tree's chain of first children as a Draft: the drafter's own chain (`tree.chain`: its
+        confidences or none, its cost fields) when it drew one, else the tree's nodes."""
         chain = tree.first_chain()
-        d = tree.chain if isinstance(tree.chain, Draft) else Draft([])
-        self.tree = tree
+        d = tree.chain if isinstance(tree.chain, Draft) else None
+        conf = d.confidence if d is not None else tree.confidence and [tree.confidence[i] for i in chain]
         return Draft([tree.tokens[i] for i in chain], None if tree.q is None else tree.q[chain],
-                     None if tree.confidence is None else [tree.confidence[i] for i in chain],
-                     synced=d.synced, copied=d.copied, support=d.support)
+                     None if conf is None else list(conf[:len(chain)]), synced=d.synced if d else 0,
+                     copied=d.copied if d else 0, support=d.support if d else None)
 
 
 class TreeScheduling:
@@ -108,31 +118,28 @@ class TreeScheduling:
 
     def __init__(self, sched: Scheduler, max_nodes: int) -> None:
         self.sched, self.max_nodes = sched, max_nodes
-        self._chain: list[int] = []  # the latest tree's chain of first children (node indices)
+        self._chain = Draft([])  # the latest tree's chain, as drafted
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
         self.sched.new_generation(n_prompt, max_tokens)
 
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator, baseline_ms: float | None = None) -> tuple[Draft, Decision]:
-        sched, drafting = self.sched, _TreeDrafting(drafter, self.max_nodes)
+        sched, drafting = self.sched, TreeDrafting(drafter, self.max_nodes)
         d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
-        tree = drafting.tree
+        tree, self._chain = drafting.tree, drafting.chain
         if tree is None or not tree.n_nodes or (tree.q is not None and not params.greedy):
             return d, dec
         t0 = time.perf_counter()
-        chain = tree.first_chain()
-        conf = None if tree.confidence is None else [tree.confidence[i] for i in chain]
-        values = node_values(tree, chain, sched.survival(conf, len(chain)), sched.tree_calibration,
-                             sched.longest(limit))
+        chain, conf = tree.first_chain(), self._chain.confidence
+        values = node_values(tree, chain, sched.survival(conf, len(chain) if conf is not None else 0),
+                             sched.tree_calibration, sched.longest(limit))
         keep, tokens, ms = best_subtree(values, dec.draft_ms, sched.cost.t_verify(len(context) - 1))
         rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
         if len(keep) > len(d.tokens) and set(keep) - set(chain) and tokens / ms > rate * (1.0 + TREE_MARGIN):
-            self._chain = [i for i in chain if i in keep]
             sub = tree.subtree(keep)
             dec = replace(dec, gamma=sub.n_nodes, tokens=tokens, ms=ms, tree=sub,
                           seconds=dec.seconds + time.perf_counter() - t0)
-            return Draft([tree.tokens[i] for i in self._chain]), dec
         return d, dec
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
@@ -148,7 +155,9 @@ class TreeScheduling:
         while on_chain < len(path) and on_chain < len(chain) and path[on_chain] == chain[on_chain]:
             on_chain += 1
         observe_nodes(self.sched.tree_calibration, tree, chain, path)
-        self.sched.observe(Draft([tree.tokens[i] for i in chain]), on_chain, t_draft, t_verify, context,
+        d = self._chain  # the verified chain is a prefix of it
+        self.sched.observe(Draft(d.tokens[:len(chain)], None, None if d.confidence is None else d.confidence[:len(chain)],
+                                 synced=d.synced, copied=d.copied), on_chain, t_draft, t_verify, context,
                            verified=tree.n_nodes + 1)
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None:
