@@ -93,3 +93,27 @@ def test_greedy_auto_trees_equal_plain_and_are_chosen_where_verification_is_flat
             trees += spec.stats.tree_cycles
         chosen[name] = trees
     assert chosen["flat"] > 0 and chosen["steep"] == 0, chosen
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_greedy_auto_trees_equal_plain_on_llama(tiny_target, tiny_drafter, drafter_kind):
+    """The same on the tiny llama target (backends.llama_tree), a flat T(k) so that trees are taken."""
+    from edgespec.backends.llama_cpp import LlamaCppBackend
+    from test_tree_engine_llama import PROMPTS as LLAMA_PROMPTS
+
+    target = LlamaCppBackend(tiny_target, n_ctx=512, threads=1, tree_leaves=K_MAX - 1)
+    if drafter_kind == "model":
+        drafter = DraftModelDrafter(LlamaCppBackend(tiny_drafter, n_ctx=512, threads=1), target.n_vocab)
+        prior: DraftCost | None = DraftCost(0.5, 1.0)
+    else:
+        drafter, prior = NgramDrafter(n_max=3, n_min=1), None
+    trees = 0
+    with Engine(target, drafter, num_draft="auto", tree="auto") as engine:
+        sched = TreeScheduling(_scheduler(FLAT, prior), 16)
+        for prompt in [*LLAMA_PROMPTS, "1 2 3 1 2 3 1 2 3 1 2"]:
+            plain = engine.generate(prompt, max_tokens=48, speculative=False)
+            spec = engine.generate(prompt, max_tokens=48, scheduler=sched)
+            assert spec.tokens == plain.tokens, prompt
+            trees += spec.stats.tree_cycles
+    assert trees > 0

@@ -100,7 +100,7 @@ class DFlashDrafter(HeadDrafter):
         return chain.draft(self._synced)
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None) -> DraftTree:
         """The block's chain of min(max_depth, max_nodes, B−1) drafts after `context` and the alternatives
         its rows rank next, up to `max_nodes` in all (module docstring; confidences conditional)."""
         n = min(max_depth, max_nodes, self.head.block_size - 1)

@@ -103,11 +103,13 @@ class EagleDrafter(HeadDrafter):
         return chain.draft(self._synced)
 
     def draft_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, params: SamplingParams,
-                   rng: np.random.Generator, top_k: int = TOP_K) -> DraftTree:
+                   rng: np.random.Generator, stop: Callable[[Sequence[float]], bool] | None = None,
+                   top_k: int = TOP_K) -> DraftTree:
         """EAGLE-2's dynamic tree of at most `max_nodes` nodes and depth `max_depth` after `context`
         (drafters.head_tree.dynamic_tree: top_k nodes expanded per depth, top_k children each; greedy
         reranked by cumulative confidence, sampled drawn without replacement within a per-depth budget;
-        confidences conditional). See the module docstring for how the head's state branches."""
+        confidences conditional; `stop` is not asked: the budget shapes the tree). See the module docstring
+        for how the head's state branches."""
         first = self.sync(context) if max_nodes > 0 and max_depth > 0 else None
         if first is None:
             return DraftTree([], [])
