@@ -122,13 +122,13 @@ def test_greedy_trees_hold_the_chain_and_conditional_confidences(kind):
         ctx = target.tokenize(text)
         target.truncate(0)
         target.eval(ctx[:-1], rows="none")
-        chain = drafter.draft(ctx, GAMMA, GREEDY, np.random.default_rng(0)).tokens
+        drawn = drafter.draft(ctx, GAMMA, GREEDY, np.random.default_rng(0))
+        chain = drawn.tokens
         tree = drafter.draft_tree(ctx, NODES, GAMMA, GREEDY, np.random.default_rng(0))
         check_convention(tree, False, NODES, GAMMA)
-        walk, node = [], -1
-        while tree.children(node):
-            node = tree.children(node)[0]
-            walk.append(tree.tokens[node])
+        walk = [tree.tokens[i] for i in tree.first_chain()]
+        assert tree.chain.tokens == walk  # the tree's chain as a Draft (schedule.trees reads it)
+        assert tree.chain.confidence == pytest.approx(drawn.confidence[:len(walk)])
         if kind == "eagle3":
             assert walk and walk == chain[:len(walk)]
         else:

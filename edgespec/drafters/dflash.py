@@ -115,7 +115,9 @@ class DFlashDrafter(HeadDrafter):
             assert prev is not None  # no stop rule
             dists.append(rank_dist(logits) if params.greedy else chain.rows[-1])
         q = np.stack(chain.rows) if chain.rows else None
-        return block_tree(chain.tokens, dists, max_nodes, q, rng)
+        tree = block_tree(chain.tokens, dists, max_nodes, q, rng)
+        tree.chain = chain.draft(self._synced)  # the first-child chain, as draft() draws it (its confidences)
+        return tree
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:
         """Run the block of `n` drafts after `anchor`; returns row(i, prev): the logits (V,) of draft

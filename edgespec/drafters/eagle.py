@@ -129,10 +129,17 @@ class EagleDrafter(HeadDrafter):
             return dist(out[0])
 
         try:
-            return dynamic_tree(dist(logits), expand, max_nodes=max_nodes, max_depth=max_depth,
+            tree = dynamic_tree(dist(logits), expand, max_nodes=max_nodes, max_depth=max_depth,
                                 sampled=not params.greedy, rng=rng, top_k=top_k)
         finally:
             self.head.truncate(base)
+        # the first-child chain as a Draft (a prefix of draft()'s chain when greedy), each confidence known
+        # before its token was drawn, as Draft's are: the top probability of the row it came from
+        first = tree.first_chain()
+        conf = [tree.confidence[i] if tree.q is None else float(tree.q[i].max()) for i in first]  # type: ignore[index]
+        tree.chain = Draft([tree.tokens[i] for i in first], None if tree.q is None else tree.q[first], conf,
+                           self._synced)
+        return tree
 
     def measure_ms_per_token(self, repeats: int = 8) -> float:
         """Median ms of one chain step (a one-pair decode and its argmax), timed on scratch positions
