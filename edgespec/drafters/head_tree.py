@@ -55,8 +55,13 @@ def block_tree(tokens: Sequence[int], dists: Sequence[F64], max_nodes: int, q: F
 
 
 def _top(p: F64, k: int) -> list[int]:
-    """The k likeliest ids of p with p > 0, likeliest first (ties: the lower id, as argmax)."""
-    order = np.argsort(-p, kind="stable")[:k]
+    """The k likeliest ids of p with p > 0, likeliest first (ties: the lower id, as argmax); O(V), no
+    full sort of the vocabulary."""
+    k = min(k, len(p))
+    if k <= 0:
+        return []
+    ids = np.flatnonzero(p >= np.partition(p, len(p) - k)[len(p) - k])  # the k largest, and any tied with them
+    order = ids[np.lexsort((ids, -p[ids]))][:k]
     return [int(y) for y in order if p[y] > 0]
 
 
@@ -134,7 +139,7 @@ def dynamic_tree(root: F64, expand: Callable[[list[int], list[int]], F64], *, ma
         start = len(tokens)
         if sampled:
             slots = sorted(((value[i] * float(p), n, i) for i in chosen
-                            for n, p in enumerate(np.sort(dists[i])[::-1][:top_k]) if p > 0),
+                            for n, p in enumerate(dists[i][_top(dists[i], top_k)])),
                            key=lambda s: (-s[0], s[1], s[2]))[: share(depth)]
             for i in chosen:
                 count = sum(1 for _, _, j in slots if j == i)
