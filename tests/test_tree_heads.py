@@ -275,3 +275,54 @@ def test_sampled_rows_are_the_heads_processed_rows(heads, runtime):
                 z = out[0]
             np.testing.assert_allclose(tree.q[i], process(z, SAMPLED), rtol=0, atol=2e-3)
         assert rank_dist(logits).sum() == pytest.approx(1.0)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method, compiled", [("ext", True), ("cb_eval", True), ("cb_eval", False)])
+def test_feature_rows_after_tree_cycles_are_the_plain_ones(heads, method, compiled, trees):
+    """After tree cycles on llama.cpp (EAGLE-3's trees, alternatives accepted), the target's feature rows
+    of the committed context are those a plain evaluation of it gives, for every capture: libllama's
+    layer-input API (ext), the compiled and the Python cb_eval callbacks (llama_features.note_tree)."""
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+    from edgespec.drafters.heads import open_head, read_head
+
+    target_path, head = heads["eagle3"]
+    opts = dict(layers=(2, 4, 5), method=method, compiled=compiled, n_ctx=256, threads=1)
+    target = LlamaFeatureBackend(target_path, tree_leaves=NODES, **opts)
+    engine = Engine(target, open_head(read_head(head), target), num_draft=GAMMA, tree=NODES)
+    g = engine.generate(HELD_OUT[1], max_tokens=32)
+    assert g.stats.tree_cycles > 0 and trees["off"] > 0
+    kept, feats = list(engine._kv), target.features()
+    assert len(kept) == target.n_past == len(feats)
+    plain = LlamaFeatureBackend(target_path, **opts)
+    plain.eval(kept, rows="none")
+    want = plain.features()
+    err = float(np.abs(feats - want).max() / np.abs(want).max())
+    print(f"{method}{'' if compiled else ' (python)'}: feature rows after {g.stats.tree_cycles} tree cycles, "
+          f"max |Δ| {err:.2e} of the largest")
+    assert err < 1e-5  # measured 0.0 (bit for bit) with each capture
+    plain.close()
+    engine.close()
+
+
+@pytest.mark.real
+@pytest.mark.usefixtures("own_mlx_home")
+def test_feature_rows_after_tree_cycles_on_mlx(heads, trees):
+    """As on llama.cpp: after tree cycles the MLX target's feature rows (mlx_features.note_tree) are
+    those of a plain evaluation of the committed context, to float32 rounding."""
+    pytest.importorskip("mlx.core")
+    from edgespec.drafters.registry import open_backend
+
+    target_path, head = heads["eagle3"]
+    with edgespec.load(target_path, drafter=head, backend="mlx", n_ctx=256, threads=1, num_draft=GAMMA,
+                       tree=NODES) as engine:
+        g = engine.generate(HELD_OUT[1], max_tokens=24)
+        assert g.stats.tree_cycles > 0 and trees["off"] > 0
+        kept, feats = list(engine._kv), engine.target.features()
+        assert len(kept) == engine.target.n_past == len(feats)
+        plain = open_backend(engine.target.path, "mlx", (2, 4, 5), n_ctx=256)
+        plain.eval(kept, rows="none")
+        want = plain.features()
+    err = float(np.abs(feats - want).max() / np.abs(want).max())
+    print(f"mlx: feature rows after {g.stats.tree_cycles} tree cycles, max |Δ| {err:.2e} of the largest")
+    assert err < 1e-4
