@@ -202,9 +202,9 @@ def test_dynamic_tree_expands_the_best_nodes_and_reranks():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     calls = []
 
-    def expand(path, tokens):
-        calls.append(tuple(tokens))
-        return p
+    def expand(paths, tokens):
+        calls.extend(tuple(t) for t in tokens)
+        return [p] * len(paths)
 
     tree = dynamic_tree(p, expand, max_nodes=6, max_depth=3, sampled=False, rng=np.random.default_rng(0), top_k=2)
     # values: depth 1: .5 .3; depth 2: .25 .15 (under .5), .15 .09 (under .3); depth 3 under .25/.15 ...
@@ -326,3 +326,47 @@ def test_feature_rows_after_tree_cycles_on_mlx(heads, trees):
     err = float(np.abs(feats - want).max() / np.abs(want).max())
     print(f"mlx: feature rows after {g.stats.tree_cycles} tree cycles, max |Δ| {err:.2e} of the largest")
     assert err < 1e-4
+
+
+@pytest.mark.real
+@pytest.mark.usefixtures("own_mlx_home")
+def test_mlx_tree_step_equals_replay(heads, monkeypatch):
+    """On MLX a depth of EAGLE-2's tree is one head step (MlxEagle3Head.decode_tree: per-row positions, an
+    ancestor mask); it drafts the tree the one-node-at-a-time replay drafts, greedy and sampled."""
+    pytest.importorskip("mlx.core")
+    from edgespec.heads.eagle3_mlx import MlxEagle3Head
+
+    target_path, head = heads["eagle3"]
+    with edgespec.load(target_path, drafter=head, backend="mlx", n_ctx=256, threads=1, num_draft=GAMMA,
+                       tree=NODES) as engine:
+        drafter, target = engine.drafter, engine.target
+        assert isinstance(drafter.head, MlxEagle3Head)
+        steps = []
+        tree_step_fn = MlxEagle3Head.decode_tree
+
+        def counted(self, *a):
+            steps.append(len(a[0]))
+            return tree_step_fn(self, *a)
+
+        monkeypatch.setattr(MlxEagle3Head, "decode_tree", counted)
+        got = {}
+        for text in HELD_OUT[:3]:
+            ctx = target.tokenize(text)
+            target.truncate(0)
+            target.eval(ctx[:-1], rows="none")
+            for params, seed in [(GREEDY, 0), (SAMPLED, 4)]:
+                got[text, params.greedy] = [drafter.draft_tree(ctx, NODES, GAMMA, params, np.random.default_rng(seed))]
+        assert 0 < len(steps) <= 2 * 3 * (GAMMA - 1) and max(steps) > 1  # one step per depth, several nodes each
+        monkeypatch.setattr(MlxEagle3Head, "decode_tree", None)  # the drafter replays paths instead
+        for text in HELD_OUT[:3]:
+            ctx = target.tokenize(text)
+            target.truncate(0)
+            target.eval(ctx[:-1], rows="none")
+            for params, seed in [(GREEDY, 0), (SAMPLED, 4)]:
+                got[text, params.greedy].append(drafter.draft_tree(ctx, NODES, GAMMA, params,
+                                                                   np.random.default_rng(seed)))
+    for (text, greedy), (a, b) in got.items():
+        assert a.tokens == b.tokens and a.parents == b.parents, (text, greedy)
+        np.testing.assert_allclose(a.confidence, b.confidence, rtol=0, atol=1e-5)
+        if not greedy:
+            np.testing.assert_allclose(a.q, b.q, rtol=0, atol=1e-5)

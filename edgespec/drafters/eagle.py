@@ -12,13 +12,14 @@ way). The head's KV cache is synced to each call's context by common prefix, lik
 DraftModelDrafter's, so partial rejection, full acceptance and new prompts need no special case.
 
 Trees (`draft_tree`): EAGLE-2's dynamic tree (drafters.head_tree.dynamic_tree). Expanding a node runs
-the head on the pair (its token, its parent's h) at head position N−2+depth, after its ancestors'
-pairs. The runners' KV caches are linear (one sequence, truncate to roll back), so the head's state
-branches by replay, not by a batched step with per-node parents: the nodes of a depth are expanded
-one decode each, in path order, the cache truncated to the deepest ancestor the node shares with the
-previous expansion and the rest of its path decoded again from the h values kept per node (a sibling
-costs a one-pair decode, a cousin a short replay). EAGLE-2 batches a depth in one step with tree
-attention; this costs up to TOP_K head steps per depth instead of one.
+the head on the pair (its token, its parent's h) at head position N−2+depth, seeing the context's pairs
+and its ancestors'. A runner with `decode_tree` (heads.eagle3_mlx) expands a whole depth in ONE step, as
+EAGLE-2 does: the nodes' pairs go in the batch axis at their own positions with a mask of the context
+and their ancestors' entries (every ancestor was expanded, so its pair is held). The others (libllama:
+one sequence in the head's context; the numpy oracle) branch by replay: a depth's nodes are expanded one
+decode each, in path order, the cache truncated to the deepest ancestor the node shares with the
+previous expansion and the rest of its path decoded again from the h kept per node (a sibling costs a
+one-pair decode, a cousin a short replay): up to TOP_K head steps per depth instead of one.
 """
 
 from __future__ import annotations
@@ -117,17 +118,35 @@ class EagleDrafter(HeadDrafter):
         base = self.head.n_past  # the context's pairs; node at depth d sits at base + d − 1
         dist = rank_dist if params.greedy else (lambda z: process_rows(z[None], params)[0].dense())
         hs: dict[int, F32] = {}  # node → the pre-norm h of its pair (the g of its children's pairs)
-        cached: list[int] = []  # the nodes whose pairs the head holds from position base on, in path order
+        cached: list[int] = []  # replay: the nodes whose pairs the head holds from position base on, in path order
+        entry: dict[int, int] = {}  # tree step: node → its pair's cache entry
 
-        def expand(path: list[int], tokens: list[int]) -> npt.NDArray[np.float64]:
+        def replay(paths: list[list[int]], tokens: list[list[int]]) -> list[npt.NDArray[np.float64]]:
             nonlocal cached
-            k = common_prefix(cached, path[:-1])
-            self.head.truncate(base + k)
-            g = np.concatenate([hs[path[j - 1]] if j > 0 else h_root for j in range(k, len(path))])
-            out, hs[path[-1]] = self.head.decode(tokens[k:], g, rows="last")
-            cached = list(path)
-            return dist(out[0])
+            out = []
+            for path, toks in zip(paths, tokens, strict=True):
+                k = common_prefix(cached, path[:-1])
+                self.head.truncate(base + k)
+                g = np.concatenate([hs[path[j - 1]] if j > 0 else h_root for j in range(k, len(path))])
+                z, hs[path[-1]] = self.head.decode(toks[k:], g, rows="last")
+                cached = list(path)
+                out.append(dist(z[0]))
+            return out
 
+        def step(paths: list[list[int]], tokens: list[list[int]]) -> list[npt.NDArray[np.float64]]:
+            n, held = len(paths), self.head.n_past
+            visible = np.zeros((n, held + n), bool)
+            visible[:, :base] = True  # the context's pairs
+            for r, path in enumerate(paths):
+                visible[r, [entry[a] for a in path[:-1]]] = True  # its ancestors' pairs
+                visible[r, held + r] = True  # itself
+            g = np.concatenate([hs[p[-2]] if len(p) > 1 else h_root for p in paths])
+            z, h = self.head.decode_tree([t[-1] for t in tokens], g, [base + len(p) - 1 for p in paths], visible)
+            for r, path in enumerate(paths):
+                entry[path[-1]], hs[path[-1]] = held + r, h[r:r + 1]
+            return [dist(row) for row in z]
+
+        expand = step if callable(getattr(self.head, "decode_tree", None)) else replay
         try:
             tree = dynamic_tree(dist(logits), expand, max_nodes=max_nodes, max_depth=max_depth,
                                 sampled=not params.greedy, rng=rng, top_k=top_k)

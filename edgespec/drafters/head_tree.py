@@ -73,13 +73,14 @@ def _gumbel_top(q: F64, k: int, rng: np.random.Generator) -> list[int]:
     return [int(y) for y in order if np.isfinite(keys[y])]
 
 
-def dynamic_tree(root: F64, expand: Callable[[list[int], list[int]], F64], *, max_nodes: int, max_depth: int,
-                 sampled: bool, rng: np.random.Generator, top_k: int = TOP_K) -> DraftTree:
+def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]], list[F64]], *, max_nodes: int,
+                 max_depth: int, sampled: bool, rng: np.random.Generator, top_k: int = TOP_K) -> DraftTree:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858) over a drafter that can score any
-    node's children: `root` is the distribution (V,) of the root's children, `expand(path, tokens)` that of
-    the children of the node at the end of `path` (node indices from the root's child down, in drafting
-    order; `tokens` theirs), the caller running its head on that path. Nodes are expanded depth by depth,
-    a depth's in path order (a subtree's together, so a head can replay a shared prefix once). Distributions are the raw softmax when
+    node's children: `root` is the distribution (V,) of the root's children, `expand(paths, tokens)` those
+    of the children of the nodes at the end of `paths` (each a list of node indices from the root's child
+    down; `tokens` theirs), the nodes a depth expands, in path order (a subtree's together, so a head
+    that replays paths replays a shared prefix once; one that branches runs them in one step: their
+    ancestors were all expanded before). Distributions are the raw softmax when
     greedy, the processed q rows when `sampled`. A node's value is its cumulative confidence, the product
     of the conditional probabilities along its path.
 
@@ -132,10 +133,8 @@ def dynamic_tree(root: F64, expand: Callable[[list[int], list[int]], F64], *, ma
         if not chosen or (sampled and len(tokens) >= max_nodes):
             break
         chosen.sort(key=lambda i: _path(parents, i))  # subtrees together
-        dists = {}
-        for i in chosen:
-            path = _path(parents, i)
-            dists[i] = expand(path, [tokens[j] for j in path])
+        paths = [_path(parents, i) for i in chosen]
+        dists = dict(zip(chosen, expand(paths, [[tokens[j] for j in p] for p in paths]), strict=True))
         start = len(tokens)
         if sampled:
             slots = sorted(((value[i] * float(p), n, i) for i in chosen

@@ -100,3 +100,46 @@ class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
         z = self._norm(h, "output_norm.weight") @ w["output.weight"]  # (k, V_d)
         mx.eval(z, h, self._k, self._v)
         return to_target_vocab(np.array(z), self.d2t, c.n_vocab), np.array(h)
+
+    def decode_tree(self, tokens: Sequence[int], g: F32, positions: Sequence[int],
+                    visible: npt.NDArray[np.bool_]) -> tuple[F32, F32]:
+        """EAGLE-2's batched tree step: pairs (tokens[i], g[i]) at their own positions, each attending to
+        the cache entries `visible[i]` marks ((n, n_past + n) bool: the entries held, then the n new ones),
+        appended after the cache in row order (entry order, not position order: a tree's nodes). The rows
+        go in the batch axis with per-row RoPE offsets and the mask, as backends/mlx_tree.py runs a target.
+
+        Returns (logits (n, V) with −inf outside the draft vocabulary, pre-norm h (n, H)), every row.
+        """
+        c, mx, w = self.config, self._mx, self.w
+        n, hd = len(tokens), c.head_dim
+        g_np = np.asarray(g, np.float32)
+        p_all = self.n_past + n
+        if g_np.shape != (n, c.n_embd) or len(positions) != n or np.shape(visible) != (n, p_all):
+            raise ValueError(f"decode_tree: {n} tokens need g ({n}, {c.n_embd}), {n} positions and a ({n}, {p_all}) "
+                             f"mask (got {g_np.shape}, {len(positions)}, {np.shape(visible)})")
+        e = self._norm(self.tok_embd[mx.array(np.asarray(tokens, np.int32))].astype(mx.float32), BLK + "attn_norm.weight")
+        gx = mx.array(g_np)
+        gn = self._norm(gx, BLK + "attn_norm_2.weight")
+        x = mx.concatenate([e, gn], axis=1)  # (n, 2H)
+        offset = mx.array(np.asarray(positions, np.int32))
+
+        def heads(y: Any, count: int) -> Any:  # (n, count·d) → (n, count, 1, d), row i RoPE'd at positions[i]
+            return mx.fast.rope(y.reshape(n, count, 1, hd), c.n_rot, traditional=True,
+                                base=None if self._freqs is not None else c.rope_base, scale=1.0, offset=offset,
+                                freqs=self._freqs)
+
+        q = heads(x @ w[BLK + "attn_q.weight"], c.n_head)
+        k = heads(x @ w[BLK + "attn_k.weight"], c.n_head_kv)
+        v = (x @ w[BLK + "attn_v.weight"]).reshape(n, c.n_head_kv, 1, hd)
+        self._k = mx.concatenate([self._k, k.transpose(2, 1, 0, 3)], axis=2)  # (1, kv heads, n_past + n, d)
+        self._v = mx.concatenate([self._v, v.transpose(2, 1, 0, 3)], axis=2)
+        shape = (n, c.n_head_kv, p_all, hd)
+        mask = mx.array(np.asarray(visible, bool))[:, None, None, :]  # (n, 1, 1, n_past + n)
+        a = mx.fast.scaled_dot_product_attention(q, mx.broadcast_to(self._k, shape), mx.broadcast_to(self._v, shape),
+                                                 scale=hd ** -0.5, mask=mask)  # (n, heads, 1, d)
+        r = a.reshape(n, c.n_head * hd) @ w[BLK + "attn_output.weight"] + (gn if c.norm_before_residual else gx)
+        y = self._norm(r, BLK + "ffn_norm.weight")
+        h = silu_ffn(mx, y, w[BLK + "ffn_gate.weight"], w[BLK + "ffn_up.weight"], w[BLK + "ffn_down.weight"]) + r
+        z = self._norm(h, "output_norm.weight") @ w["output.weight"]  # (n, V_d)
+        mx.eval(z, h, self._k, self._v)
+        return to_target_vocab(np.array(z), self.d2t, c.n_vocab), np.array(h)
