@@ -7,6 +7,11 @@ nodes verified per cycle; writes results.json with the commit, date and CPU mode
         --per-category 2 --out bench/results/trees
     .venv/bin/python bench/tree_compare.py --target smollm2 --drafter medusa.gguf -k 3 --nodes 8 --nodes 16 \
         --tasks bench/heldout/heads.jsonl --per-category 8 --temp 0 --out bench/results/medusa-smollm2
+    .venv/bin/python bench/tree_compare.py --target smollm2-f32 --drafter models/smollm2-135m-eagle3.gguf \
+        -k auto --per-category 2 --temp 0 --out bench/results/trees-auto
+
+With `-k auto` the sides are `-k auto` chains and `-k auto --tree auto` (schedule.trees), each on its
+own engine (calibrated first: what one learns never reaches the other), each run from an empty cache.
 
 The drafter is a draft model (its tree: the chain plus the alternatives its forwards rank next,
 drafters.tree_draft), `ngram` (earlier continuations merged) or a head GGUF such as Medusa heads (their
@@ -28,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-f32")
     ap.add_argument("--drafter", default="smollm2")
-    ap.add_argument("-k", "--num-draft", type=int, default=4)
+    ap.add_argument("-k", "--num-draft", default="4", help="γ, or auto (chains against --tree auto)")
     ap.add_argument("--nodes", type=int, action="append", default=None, help="tree nodes (repeatable; default 12)")
     ap.add_argument("--tasks", default=None, help="a tasks .jsonl or folder (default: the shipped suite)")
     ap.add_argument("--per-category", type=int, default=1)
@@ -39,7 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     temps = args.temp or [0.0, 0.7]
     args.nodes = args.nodes or [12]
-    trees = ([("tree", args.nodes[0])] if len(args.nodes) == 1 else [(f"tree{n}", n) for n in args.nodes])
+    auto = args.num_draft == "auto"
+    trees = ([("tree", "auto" if auto else args.nodes[0])] if len(args.nodes) == 1 or auto
+             else [(f"tree{n}", n) for n in args.nodes])
 
     from edgespec.api import load
     from edgespec.bench.provenance import line, provenance
@@ -48,9 +55,15 @@ def main() -> None:
     prov = provenance()
     print(f"ran at: {line(prov)}", flush=True)
     # the target opened for the largest tree (tree_leaves), and as the drafter needs (a head's capture)
-    engine = load(args.target, args.drafter, num_draft=args.num_draft, tree=max(args.nodes), n_ctx=2048,
-                  threads=args.threads)
-    drafter = engine.drafter
+    gamma = "auto" if auto else int(args.num_draft)
+    engine = load(args.target, args.drafter, num_draft=gamma, tree="off" if auto else max(args.nodes), n_ctx=2048,
+                  threads=args.threads)  # -k auto: plain and chains as a user without --tree gets them
+    engines = {"plain": engine, "chain": engine, **{side: engine for side, _ in trees}}
+    if auto:  # the tree side on its own engine: the two schedulers learn apart
+        engines["tree"] = load(args.target, args.drafter, num_draft="auto", tree="auto", n_ctx=2048,
+                               threads=args.threads)
+        for e in {id(e): e for e in engines.values()}.values():
+            e.calibrate()
     tasks = first_per_category(load_tasks(args.tasks), args.per_category)
     sides = [side for side, _ in trees]
     runs = []
@@ -58,11 +71,12 @@ def main() -> None:
         for task in tasks:
             row = {"task": task.id, "category": task.category, "temp": temp}
             for side, spec, tree in (("plain", False, 0), ("chain", True, 0), *((s, True, n) for s, n in trees)):
-                engine.reset()
-                drafter.reset()
-                engine.tree = tree
+                e = engines[side]
+                e.reset()
+                e.drafter.reset()
+                e.tree = tree
                 t0 = time.perf_counter()
-                g = engine.chat(list(task.messages), max_tokens=min(args.max_tokens, task.max_tokens),
+                g = e.chat(list(task.messages), max_tokens=min(args.max_tokens, task.max_tokens),
                                 temperature=temp, seed=1, speculative=spec)
                 row[side] = {"s": time.perf_counter() - t0, "t_decode": g.stats.t_decode, "tokens": len(g.tokens),
                              "tau": g.stats.tau, "cycles": g.stats.n_cycles,
@@ -104,7 +118,8 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(
             {"meta": {**vars(args), "out": str(args.out), "temps": temps, "env": prov}, "summary": summary,
              "runs": runs}, indent=1))
-    engine.close()
+    for e in {id(e): e for e in engines.values()}.values():
+        e.close()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ multiplies along paths, schedule.trees), carried along.
     parents: list[int]
     q: npt.NDArray[np.float64] | None = None
     confidence: list[float] | None = None
-    chain: Any = None  # the chain Draft (drafters.base) the drafter drew first, if any: its cost fields
+    chain_draft: Any = None  # the chain Draft (drafters.base) the drafter drew first, if any: its cost fields
     depth: list[int] = field(init=False, repr=False)  # root's children: 1
     _children: list[list[int]] = field(init=False, repr=False)  # index 0: the root's, i+1: node i's
 

@@ -212,7 +212,13 @@ def test_draft_tree(kind, greedy, files, target):
             for i, t in enumerate(tree.tokens):
                 want = process_rows(logits[tree.depth[i] - 1][None], params)[0].dense()
                 assert tree.q[i, t] > 0 and np.abs(tree.q[i] - want).max() < 1e-9
-        assert tree.confidence is not None and all(a >= b for a, b in zip(tree.confidence, tree.confidence[1:]))
+        # confidences are each node's probability at its parent; their products along the paths (the
+        # candidates' scores) come best first
+        assert tree.confidence is not None
+        score: list[float] = []
+        for c, par in zip(tree.confidence, tree.parents):
+            score.append(c * (score[par] if par >= 0 else 1.0))
+        assert all(a >= b for a, b in zip(score, score[1:]))
     assert drafter.draft_tree(tokens[:1], 5, K, params, rng).n_nodes == 0
     assert max(drafter.draft_tree(tokens, 10, 1, params, rng).depth) == 1
 

@@ -127,8 +127,8 @@ def test_greedy_trees_hold_the_chain_and_conditional_confidences(kind):
         tree = drafter.draft_tree(ctx, NODES, GAMMA, GREEDY, np.random.default_rng(0))
         check_convention(tree, False, NODES, GAMMA)
         walk = [tree.tokens[i] for i in tree.first_chain()]
-        assert tree.chain.tokens == walk  # the tree's chain as a Draft (schedule.trees reads it)
-        assert tree.chain.confidence == pytest.approx(drawn.confidence[:len(walk)])
+        assert tree.chain_draft.tokens == walk  # the tree's chain as a Draft (schedule.trees reads it)
+        assert tree.chain_draft.confidence == pytest.approx(drawn.confidence[:len(walk)])
         if kind == "eagle3":
             assert walk and walk == chain[:len(walk)]
         else:

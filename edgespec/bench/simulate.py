@@ -240,7 +240,7 @@ class TraceDrafter:
         chain = self.draft(context, max_depth, params, rng, stop)
         tree = within_depth(DraftTree(tokens, parents, confidence=conf), max(1, len(chain.tokens)))
         tree = tree.subtree(range(min(max_nodes, tree.n_nodes)))
-        tree.chain = chain
+        tree.chain_draft = chain
         return tree
 
     def new_task(self, trace: Trace) -> None:

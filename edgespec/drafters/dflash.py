@@ -116,7 +116,7 @@ class DFlashDrafter(HeadDrafter):
             dists.append(rank_dist(logits) if params.greedy else chain.rows[-1])
         q = np.stack(chain.rows) if chain.rows else None
         tree = block_tree(chain.tokens, dists, max_nodes, q, rng)
-        tree.chain = chain.draft(self._synced)  # the first-child chain, as draft() draws it (its confidences)
+        tree.chain_draft = chain.draft(self._synced)  # the first-child chain, as draft() draws it (its confidences)
         return tree
 
     def _rows(self, anchor: int, n: int) -> Callable[[int, int], tuple[F32, float | None]]:

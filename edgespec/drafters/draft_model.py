@@ -137,7 +137,7 @@ class DraftModelDrafter:
         finally:
             self._dists = None
         tree = side_tree(chain.tokens, dists, max_nodes, chain.q, rng, chain.confidence)
-        tree.chain = chain
+        tree.chain_draft = chain
         return tree
 
     def _handed(self, missed: int, n_context: int) -> bool:

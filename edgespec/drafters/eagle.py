@@ -156,7 +156,7 @@ class EagleDrafter(HeadDrafter):
         # before its token was drawn, as Draft's are: the top probability of the row it came from
         first = tree.first_chain()
         conf = [tree.confidence[i] if tree.q is None else float(tree.q[i].max()) for i in first]  # type: ignore[index]
-        tree.chain = Draft([tree.tokens[i] for i in first], None if tree.q is None else tree.q[first], conf,
+        tree.chain_draft = Draft([tree.tokens[i] for i in first], None if tree.q is None else tree.q[first], conf,
                            self._synced)
         return tree
 

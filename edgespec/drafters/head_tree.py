@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from edgespec.drafters.tree_draft import side_tree
+from edgespec.drafters.tree_draft import gumbel_top, side_tree, top_ids
 from edgespec.sampling import SamplingParams, process_rows
 from edgespec.tree import DraftTree
 
@@ -52,25 +52,6 @@ def block_tree(tokens: Sequence[int], dists: Sequence[F64], max_nodes: int, q: F
     if not tokens or max_nodes <= 0:
         return DraftTree([], [])
     return conditional(side_tree(list(tokens), list(dists), max_nodes, q, rng), dists)
-
-
-def _top(p: F64, k: int) -> list[int]:
-    """The k likeliest ids of p with p > 0, likeliest first (ties: the lower id, as argmax); O(V), no
-    full sort of the vocabulary."""
-    k = min(k, len(p))
-    if k <= 0:
-        return []
-    ids = np.flatnonzero(p >= np.partition(p, len(p) - k)[len(p) - k])  # the k largest, and any tied with them
-    order = ids[np.lexsort((ids, -p[ids]))][:k]
-    return [int(y) for y in order if p[y] > 0]
-
-
-def _gumbel_top(q: F64, k: int, rng: np.random.Generator) -> list[int]:
-    """k draws without replacement from q (Gumbel top-k: the order is the order drawn), ids with q > 0 only."""
-    with np.errstate(divide="ignore"):
-        keys = np.log(q) + rng.gumbel(size=q.shape)
-    order = np.argsort(-keys, kind="stable")[:k]
-    return [int(y) for y in order if np.isfinite(keys[y])]
 
 
 def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]], list[F64]], *, max_nodes: int,
@@ -122,9 +103,9 @@ def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]],
         return math.ceil((max_nodes - len(tokens)) / (max_depth - depth + 1))
 
     if sampled:
-        add(-1, root, _gumbel_top(root, min(top_k, share(1)), rng))
+        add(-1, root, gumbel_top(root, min(top_k, share(1)), rng))
     else:
-        add(-1, root, _top(root, top_k))
+        add(-1, root, top_ids(root, top_k))
     layer = list(range(len(tokens)))
     for depth in range(2, max_depth + 1):
         chosen = sorted(layer, key=lambda i: (-value[i], i))[:top_k]
@@ -138,15 +119,15 @@ def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]],
         start = len(tokens)
         if sampled:
             slots = sorted(((value[i] * float(p), n, i) for i in chosen
-                            for n, p in enumerate(dists[i][_top(dists[i], top_k)])),
+                            for n, p in enumerate(dists[i][top_ids(dists[i], top_k)])),
                            key=lambda s: (-s[0], s[1], s[2]))[: share(depth)]
             for i in chosen:
                 count = sum(1 for _, _, j in slots if j == i)
                 if count:
-                    add(i, dists[i], _gumbel_top(dists[i], count, rng))
+                    add(i, dists[i], gumbel_top(dists[i], count, rng))
         else:
             for i in chosen:
-                add(i, dists[i], _top(dists[i], top_k))
+                add(i, dists[i], top_ids(dists[i], top_k))
         layer = list(range(start, len(tokens)))
         if not layer:
             break

@@ -107,7 +107,7 @@ class NgramDrafter:
         through = [sum(count[c] for c in range(len(tokens)) if parents[c] == -1)] + count  # the root's, then each node's
         conf = [count[i] / max(1, through[par + 1]) for i, par in enumerate(parents)]
         return DraftTree(tokens, parents, confidence=conf,
-                         chain=self.draft(context, max_depth, params, rng) if tokens else None)
+                         chain_draft=self.draft(context, max_depth, params, rng) if tokens else None)
 
     def cost_prior(self, note: Callable[[str], None] | None = None) -> None:
         """None: a lookup costs microseconds, nothing the scheduler needs to price."""

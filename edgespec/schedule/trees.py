@@ -102,10 +102,10 @@ class TreeDrafting:
 
     @staticmethod
     def from_tree(tree: DraftTree) -> Draft:
-        """The tree's chain of first children as a Draft: the drafter's own chain (`tree.chain`: its
+        """The tree's chain of first children as a Draft: the drafter's own chain (`tree.chain_draft`: its
         confidences or none, its cost fields) when it drew one, else the tree's nodes."""
         chain = tree.first_chain()
-        d = tree.chain if isinstance(tree.chain, Draft) else None
+        d = tree.chain_draft if isinstance(tree.chain_draft, Draft) else None
         conf = d.confidence if d is not None else tree.confidence and [tree.confidence[i] for i in chain]
         return Draft([tree.tokens[i] for i in chain], None if tree.q is None else tree.q[chain],
                      None if conf is None else list(conf[:len(chain)]), synced=d.synced if d else 0,
