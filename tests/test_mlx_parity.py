@@ -3,7 +3,11 @@ by row, and greedy speculative == plain on MLX with the n-gram drafter.
 
 Two references:
 - llama.cpp on an F32 copy of the same GGUF (every tensor dequantized): the same weights without
-  llama.cpp's quantized kernels. MLX must agree with it closely (top-1 >= 99%).
+  llama.cpp's quantized kernels. MLX must agree with it closely (top-1 >= 99%). The copy is the
+  fetched F32 model (`edgespec models`: llama_model_quantize ALL_F32 of the same release), whose
+  tensors equal gguf_fixtures.dequantize_gguf's bit for bit (all of them, measured on both models);
+  _assert_same_weights checks that on a sample of every tensor's rows instead of writing another
+  0.5-1 GB copy each run.
 - llama.cpp on the quantized file itself. Its kernels round activations to 8 bits (MLX does not), and
   that alone moves logits by ~2% of their range: llama.cpp Q4_1 disagrees with its own F32 copy on
   top-1 at 1.6% of positions, every one a near-tie. MLX must agree with it as well as llama.cpp agrees
@@ -14,9 +18,9 @@ Measured numbers are in docs/mlx.md ("Parity with llama.cpp").
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
-from gguf_fixtures import dequantize_gguf
 from real_prompts import PROMPTS
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
@@ -25,6 +29,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edge
 import edgespec  # noqa: E402
 from edgespec.cli.app import DEMO_PROMPT  # noqa: E402
 from edgespec.drafters.registry import open_backend  # noqa: E402
+from edgespec.gguf_file import read_gguf  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 N_POSITIONS = {"smollm2": 512, "gemma3": 576}  # Gemma: past its 512-token sliding window
@@ -44,6 +49,23 @@ def _logits(backend, ids: list[int], compared: tuple[int, ...] | None, chunk: in
     return np.concatenate([o for o, w in zip(out, wanted) if w])
 
 
+def _assert_same_weights(quantized, f32, max_rows: int = 256) -> None:
+    """``f32`` holds ``quantized``'s weights dequantized, in F32: same tensor names and shapes, and
+    on up to ``max_rows`` evenly spaced rows of every tensor, gguf-py's dequantization of the quantized
+    blocks equals the F32 values bit for bit (the rows of the 262k-token Gemma embedding are the
+    costly part; on every row, both models, they are equal)."""
+    q, f = read_gguf(quantized), read_gguf(f32)
+    assert sorted(q.tensors) == sorted(f.tensors)
+    for name, (qtype, shape, raw) in q.tensors.items():
+        ftype, fshape, fraw = f.tensors[name]
+        assert tuple(fshape) == tuple(shape) and ftype == gguf.GGMLQuantizationType.F32, (name, ftype, fshape)
+        n_rows = int(np.prod(shape[:-1]))
+        rows = np.arange(0, n_rows, max(1, n_rows // max_rows))
+        got = gguf.quants.dequantize(raw.reshape(n_rows, -1)[rows], qtype).reshape(len(rows), -1)
+        want = fraw.view(np.float32).reshape(n_rows, -1)[rows]
+        assert np.array_equal(np.asarray(got, np.float32).view(np.uint32), want.view(np.uint32)), name
+
+
 def _compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
     """(top-1 agreement, per-row max|Δ| / ref's logit range, flips outside near-ties)."""
     diff = np.abs(ref - got).max(1)
@@ -53,8 +75,9 @@ def _compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, np.ndarray, np.nd
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path, tmp_path):
-    path = {"smollm2": smollm2_path, "gemma3": gemma_q4_path}[name]
+def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path, smollm2_f32_path, gemma_f32_path):
+    path, f32_path = {"smollm2": (smollm2_path, smollm2_f32_path), "gemma3": (gemma_q4_path, gemma_f32_path)}[name]
+    _assert_same_weights(path, f32_path)
     n_ctx = 1024
     lc = open_backend(path, n_ctx=n_ctx, kv_type="f32")
     text = "\n\n".join([*PROMPTS, DEMO_PROMPT] * 3)
@@ -63,7 +86,7 @@ def test_logits_match_llama_cpp(name, smollm2_path, gemma_q4_path, tmp_path):
     assert len(ids) == N_POSITIONS[name] and ml.tokenize(text)[:len(ids)] == ids
     rows = COMPARED[name]
     quant, mlx = _logits(lc, ids, rows), _logits(ml, ids, rows)
-    f32 = _logits(open_backend(dequantize_gguf(path, tmp_path / "f32.gguf"), n_ctx=n_ctx, kv_type="f32"), ids, rows)
+    f32 = _logits(open_backend(f32_path, n_ctx=n_ctx, kv_type="f32"), ids, rows)
     own = _compare(f32, quant)[1].max()  # llama.cpp's quantized kernels against the same weights in F32
     for ref_name, ref, tol in (("F32 copy", f32, F32_TOL[name]), ("quantized", quant, 1.25 * own)):
         top1, rel, odd = _compare(ref, mlx)
