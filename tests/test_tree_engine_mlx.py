@@ -34,3 +34,27 @@ def test_greedy_tree_equals_plain_on_mlx(kind, tiny_target, tiny_drafter, off_ch
             assert spec.stats.tree_cycles > 0
     if kind == "pair":
         assert off_chain["off"] > 0, off_chain
+
+
+@pytest.mark.parametrize("kind", ["pair", "ngram"])
+def test_greedy_auto_trees_equal_plain_on_mlx(kind, tiny_target, tiny_drafter):
+    """`--tree auto` on MLX (schedule.trees on a flat T(k), so that trees are taken): greedy == plain."""
+    from test_tree_auto import FLAT, _scheduler
+
+    from edgespec.drafters.base import DraftCost
+    from edgespec.schedule.trees import TreeScheduling
+
+    target = open_backend(tiny_target, "mlx", n_ctx=512)
+    drafter = (DraftModelDrafter(open_backend(tiny_drafter, "mlx", n_ctx=512), target.n_vocab) if kind == "pair"
+               else NgramDrafter(n_max=3, n_min=1))  # short n-grams: several continuations, so alternatives
+    trees = 0
+    with Engine(target, drafter, num_draft="auto", tree="auto") as engine:
+        sched = TreeScheduling(_scheduler(FLAT, DraftCost(0.5, 1.0) if kind == "pair" else None), 16)
+        # the first: its suffix " x y" has two continuations (the tiny target's own text never repeats, so
+        # what the scheduler learns of the n-gram drafter on the others makes drafting lose)
+        for prompt in ["a x y 1 x y 2 x y", *(f"{text} {text}" for text in PROMPTS)]:
+            plain = engine.generate(prompt, max_tokens=32, speculative=False)
+            spec = engine.generate(prompt, max_tokens=32, scheduler=sched)
+            assert spec.tokens == plain.tokens, prompt
+            trees += spec.stats.tree_cycles
+    assert trees > 0

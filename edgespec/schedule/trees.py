@@ -11,7 +11,8 @@ plans, cuts and learns that chain as always. The tree is then priced. Node i is 
 
 c being a calibration (schedule.acceptance.Calibration) of the drafter's conditional probability of
 a node at its parent into the chance the node is accepted once its parent is, learned from the
-nodes verified beside the chain. Greedy, at most one child of a node is accepted, so a subtree
+nodes verified beside the chain (a bin not seen yet: the confidence itself, or for a drafter whose
+confidences are shares of its continuations (n-gram) that share times the chain's first-position rate). Greedy, at most one child of a node is accepted, so a subtree
 is expected to emit 1 + Σ v over its nodes; the best subtree of m nodes is the m largest v (a node
 never outvalues its parent; ties keep the earlier node), and
 
@@ -44,9 +45,11 @@ TREE_MARGIN = 0.03  # a tree must promise this much more than the chain's rate (
 
 
 def node_values(tree: DraftTree, chain: Sequence[int], survival: Sequence[float], calibration: Calibration,
-                deepest: int) -> np.ndarray:
+                deepest: int, scale: float = 1.0) -> np.ndarray:
     """v per node (the module docstring), 0 below depth `deepest`; a node with no confidence is
-    calibrated as a confidence of 0.5."""
+    calibrated as a confidence of 0.5. A bin the calibration has not seen starts from conf × `scale`
+    (a drafter whose confidences are shares of its continuations, not chances of being right, as
+    n-gram trees': the chain's first-position rate)."""
     v, on_chain, conf = np.zeros(tree.n_nodes), {node: d for d, node in enumerate(chain)}, tree.confidence
     for i, par in enumerate(tree.parents):
         if tree.depth[i] > deepest:
@@ -54,7 +57,8 @@ def node_values(tree: DraftTree, chain: Sequence[int], survival: Sequence[float]
         if i in on_chain:
             v[i] = survival[on_chain[i]] if on_chain[i] < len(survival) else 0.0
         else:
-            v[i] = (1.0 if par < 0 else v[par]) * calibration(_clip(conf[i] if conf is not None else 0.5))
+            c = _clip(conf[i] if conf is not None else 0.5)
+            v[i] = (1.0 if par < 0 else v[par]) * calibration(c, c * scale)
     return v
 
 
@@ -132,8 +136,9 @@ class TreeScheduling:
             return d, dec
         t0 = time.perf_counter()
         chain, conf = tree.first_chain(), self._chain.confidence
-        values = node_values(tree, chain, sched.survival(conf, len(chain) if conf is not None else 0),
-                             sched.tree_calibration, sched.longest(limit))
+        survival = sched.survival(conf, len(chain) if conf is not None else 0)
+        values = node_values(tree, chain, survival, sched.tree_calibration, sched.longest(limit),
+                             1.0 if conf is not None else sched.survival(None, 0)[0])
         keep, tokens, ms = best_subtree(values, dec.draft_ms, sched.cost.t_verify(len(context) - 1))
         rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
         if len(keep) > len(d.tokens) and set(keep) - set(chain) and tokens / ms > rate * (1.0 + TREE_MARGIN):
