@@ -19,7 +19,9 @@ never outvalues its parent; ties keep the earlier node), and
     rate(m) = (1 + Σ_{m largest} v) / (T_draft + T_verify(m + 1)),
 
 T_draft being what the drafting cost (sunk). The tree is verified instead of the chain when its best
-rate beats the chain's planned rate by TREE_MARGIN and it holds more than the chain's nodes.
+rate beats the chain's planned rate by TREE_MARGIN and it holds more than the chain's nodes. A probe
+(the Scheduler trying a drafter it does not expect to win) stays a chain: it is there to measure the
+chain's acceptance, and a tree's dearer verification would spend the probing budget faster.
 
 Trees are priced only for drafts that may be cut after they are made: greedy decoding, or
 deterministic drafts (q None). A sampled draft's own tokens must not decide what is verified (the
@@ -132,7 +134,7 @@ class TreeScheduling:
         sched, drafting = self.sched, TreeDrafting(drafter, self.max_nodes)
         d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
         tree, self._chain = drafting.tree, drafting.chain
-        if tree is None or not tree.n_nodes or (tree.q is not None and not params.greedy):
+        if tree is None or not tree.n_nodes or dec.probe or (tree.q is not None and not params.greedy):
             return d, dec
         t0 = time.perf_counter()
         chain, conf = tree.first_chain(), self._chain.confidence
