@@ -312,7 +312,7 @@ def test_drafter_head_dir_is_converted_once_and_stays_lossless(smollm2_path, pub
 @pytest.mark.slow
 def test_sampling_with_a_converted_head_matches_plain(smollm2_path, published, smollm2_plain_counts, tmp_path,
                                                      monkeypatch):
-    """test_real_sampling.py's chi-square test of homogeneity (first two tokens, 2000 seeded runs
+    """test_real_sampling.py's chi-square test of homogeneity (first two tokens, N_RUNS seeded runs
     each) with the converted head drafting: spec sampling has the target's distribution. The plain
     side is the session's (conftest.py), the same runs test_real_sampling.py compares against."""
     from test_real_sampling import ALPHA, N_RUNS, homogeneity_p, run_many
