@@ -112,7 +112,8 @@ class TreeDrafting:
         confidences or none, its cost fields) when it drew one, else the tree's nodes."""
         chain = tree.first_chain()
         d = tree.chain_draft if isinstance(tree.chain_draft, Draft) else None
-        conf = d.confidence if d is not None else tree.confidence and [tree.confidence[i] for i in chain]
+        conf = d.confidence if d is not None else (
+            None if tree.confidence is None or not chain else [tree.confidence[i] for i in chain])
         return Draft([tree.tokens[i] for i in chain], None if tree.q is None else tree.q[chain],
                      None if conf is None else list(conf[:len(chain)]), synced=d.synced if d else 0,
                      copied=d.copied if d else 0, support=d.support if d else None)
