@@ -271,3 +271,24 @@ def test_greedy_tree_through_the_engine(files, target, tmp_path):
             assert spec.stats.tree_cycles >= spec.stats.n_cycles - 1
             assert all(d > 0 for d, _ in spec.stats.cycles[:-1]), spec.stats.cycles  # every cycle drafted
         assert spec.stats.n_accepted < spec.stats.n_drafted
+
+
+def test_greedy_auto_trees_through_the_engine(files, target):
+    """`--tree auto` with (random) Medusa heads, schedule.trees on a flat T(k) so that trees are taken
+    while the scheduler still drafts: greedy == plain, token for token."""
+    from dataclasses import replace
+
+    from test_tree_auto import FLAT, _scheduler
+
+    from edgespec.schedule.trees import TreeScheduling
+
+    with edgespec.load(files["target"], drafter=str(files["shared"]), n_ctx=512, threads=1, num_draft="auto",
+                       tree="auto") as engine:
+        prior = replace(engine.drafter.cost_prior(), fixed_ms=0.1, per_token_ms=0.1)
+        sched, trees = TreeScheduling(_scheduler(FLAT, prior), 16), 0
+        for p in (target.tokenize(PROMPT), "Once upon a time"):
+            want = engine.generate(p, max_tokens=40, speculative=False)
+            spec = engine.generate(p, max_tokens=40, scheduler=sched)
+            assert spec.tokens == want.tokens, p
+            trees += spec.stats.tree_cycles
+        assert trees > 0
