@@ -36,14 +36,16 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 # " red," repeats: the n-gram drafter proposes " v" (p ≈ 0.41 at T=0.8) in the very first cycle.
 PROMPT = "Roses are red, violets are blue. Roses are red,"
 SAMPLING = dict(temperature=0.8, top_p=0.95)
-# Seeded runs per sample (the session's plain one, and each drafter's). 1000, was 2000: the known-wrong
-# variant this test is built to catch, a verifier that resamples from p without zeroing the rejected
-# draft (test_the_chi_square_catches_a_biased_verifier), is rejected with 200 spec runs against
-# this plain sample (p = 1.6e-7 against 1000 plain runs, 6.5e-9 against 2000: ALPHA is 0.01), so
-# each drafter's 1000 runs are 5x what the power check needs; a chi-square's false-rejection rate is
-# ALPHA at any N. Halving N halves the time of the four tests that draw N runs (conftest's plain sample,
-# n-gram, the Q2_K draft model, test_convert_eagle3's converted head).
-N_RUNS = 1000
+# Seeded runs per sample: the session's plain one, and each full-q drafter's (the Q2_K draft model,
+# test_convert_eagle3's converted head). Not fewer: the biased verifier below, run with the Q2_K
+# drafter (full q), is rejected at 2000 spec vs 2000 plain runs (p = 0.0041) but not at 1000 vs 1000
+# (p = 0.053) nor 200 vs 1000 (p = 0.25), measured.
+N_RUNS = 2000
+# The n-gram drafter's spec runs (one-hot q): the known-wrong variant this test is built to catch, a
+# verifier that resamples from p without zeroing the rejected draft (test_the_chi_square_catches_a_
+# biased_verifier), is rejected with 200 spec runs against the N_RUNS plain ones (p = 6.5e-9; ALPHA
+# is 0.01), so 1000 are 5x what the power check needs; the false-rejection rate is ALPHA at any N.
+N_NGRAM_RUNS = 1000
 PLAIN_SEED0 = 1_000_000  # plain runs use seeds PLAIN_SEED0 + i, spec runs seeds i
 ALPHA = 0.01
 
@@ -102,7 +104,7 @@ def _check_both_branches(stats, label):
 
 def test_ngram_sampling_matches_plain(ngram_engine, smollm2_plain_counts):
     t0 = time.perf_counter()
-    spec, stats = run_many(ngram_engine, range(N_RUNS))
+    spec, stats = run_many(ngram_engine, range(N_NGRAM_RUNS))
     _check_both_branches(stats, "ngram")
     p, cells = homogeneity_p(spec, smollm2_plain_counts)
     print(f"ngram: chi-square p = {p:.3f} over {cells} cells; {time.perf_counter() - t0:.1f} s")
