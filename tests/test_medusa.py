@@ -66,7 +66,7 @@ def test_converted_heads_equal_the_reference_forward(target: Path, tmp_path: Pat
     d = write_checkpoint(tmp_path / case, K, n_layers, H, V, own_output=own, untied=untied, dtype=dtype,
                          seed=3)
     assert head_layout(json.loads((d / "config.json").read_text())) == ("medusa", "Medusa")
-    assert not is_head_checkpoint(d)  # `--drafter` takes no Medusa heads yet
+    assert is_head_checkpoint(d)  # `--drafter DIR` converts it (tests/test_medusa_drafter.py runs one)
     lines: list[str] = []
     out = convert_head(d, target, tmp_path / "medusa.gguf", outtype="f32", note=lines.append)
     assert any(f"{K} Medusa heads of {n_layers} residual" in line and "trained on tiny/target" in line

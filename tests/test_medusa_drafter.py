@@ -292,3 +292,18 @@ def test_greedy_auto_trees_through_the_engine(files, target):
             assert spec.tokens == want.tokens, p
             trees += spec.stats.tree_cycles
         assert trees > 0
+
+
+def test_a_published_checkpoint_directory_drafts_as_is(files, target, tmp_path):
+    """`--drafter DIR` with a Medusa checkpoint in FasterDecoding's layout: converted once for the
+    target (cached under $EDGESPEC_HOME/heads), then drafted with; greedy == plain, chains and trees."""
+    from medusa_reference import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "medusa-ckpt", K, 1, H, target.n_vocab, own_output=True, untied=False,
+                         dtype="fp32", seed=3)
+    for tree in ("off", 8):
+        with edgespec.load(files["target"], drafter=str(d), n_ctx=512, threads=1, num_draft=3, tree=tree) as engine:
+            assert isinstance(engine.drafter, MedusaDrafter)
+            want = engine.generate(PROMPT, max_tokens=24, speculative=False)
+            spec = engine.generate(PROMPT, max_tokens=24)
+            assert spec.tokens == want.tokens and spec.stats.n_drafted > 0

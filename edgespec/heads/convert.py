@@ -51,7 +51,7 @@ def head_layout(config: dict[str, Any]) -> tuple[str, str] | None:
 
 def is_head_checkpoint(spec: str | os.PathLike[str]) -> bool:
     """Whether ``spec`` is a directory whose config.json names a head architecture (refused ones
-    included, so that converting them says why; Medusa not: no drafter runs it yet). Reads config.json only."""
+    included, so that converting them says why). Reads config.json only."""
     p = Path(spec).expanduser()
     try:
         config = json.loads((p / "config.json").read_text())
@@ -59,7 +59,7 @@ def is_head_checkpoint(spec: str | os.PathLike[str]) -> bool:
         return False
     try:
         kind = head_layout(config) if isinstance(config, dict) else None
-        return kind is not None and kind[0] != "medusa"  # `--drafter` runs no Medusa heads yet (#50)
+        return kind is not None
     except CheckpointError:
         return True
 
