@@ -91,11 +91,7 @@ multiplies along paths, schedule.trees), carried along.
 
     def path(self, i: int) -> list[int]:
         """Node indices from the root's child down to node i ([] for i = -1)."""
-        out = []
-        while i >= 0:
-            out.append(i)
-            i = self.parents[i]
-        return out[::-1]
+        return node_path(self.parents, i)
 
     def first_chain(self) -> list[int]:
         """Node indices of the chain of first children from the root down (what a chain drafter of
@@ -130,6 +126,15 @@ multiplies along paths, schedule.trees), carried along.
     def positions(self, n_past: int) -> npt.NDArray[np.int64]:
         """The position of each of the n+1 rows: the root at n_past, node i at n_past + depth[i]."""
         return np.array([n_past, *(n_past + d for d in self.depth)], dtype=np.int64)
+
+
+def node_path(parents: Sequence[int], i: int) -> list[int]:
+    """Node indices from the root's child down to node i under `parents` (-1: the root; [] for i = -1)."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
 
 
 def verify_tree_greedy(logits: npt.NDArray[np.floating], tree: DraftTree) -> tuple[list[int], int]:

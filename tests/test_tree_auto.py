@@ -99,8 +99,9 @@ def test_greedy_auto_trees_equal_plain_and_are_chosen_where_verification_is_flat
 @pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
 def test_greedy_auto_trees_equal_plain_on_llama(tiny_target, tiny_drafter, drafter_kind):
     """The same on the tiny llama target (backends.llama_tree), a flat T(k) so that trees are taken."""
-    from edgespec.backends.llama_cpp import LlamaCppBackend
     from test_tree_engine_llama import PROMPTS as LLAMA_PROMPTS
+
+    from edgespec.backends.llama_cpp import LlamaCppBackend
 
     target = LlamaCppBackend(tiny_target, n_ctx=512, threads=1, tree_leaves=K_MAX - 1)
     if drafter_kind == "model":

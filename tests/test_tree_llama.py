@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from recurrent_fixtures import recurrent_ggufs  # noqa: F401 (a fixture)
-from tree_cases import node_path, random_tree, rel_err
+from tree_cases import random_tree, rel_err
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.backends.llama_tree import drop_tree, eval_tree, keep_path, preorder, tree_seqs
 from edgespec.errors import BackendError
+from edgespec.tree import node_path
 
 pytestmark = pytest.mark.real
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlx_fixtures import _CONFIGS, build_tiny_mlx
-from tree_cases import node_path, random_tree, rel_err
+from tree_cases import random_tree, rel_err
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
@@ -20,6 +20,7 @@ from edgespec.backends.mlx_tree import drop_tree, eval_tree, keep_path  # noqa: 
 from edgespec.backends.reference import ReferenceBackend  # noqa: E402
 from edgespec.backends.trees import tree_ops  # noqa: E402
 from edgespec.errors import BackendError, ContextOverflowError  # noqa: E402
+from edgespec.tree import node_path  # noqa: E402
 
 V = 16
 REL_TOL = 1e-5  # of the logit range of a row (F32 weights; measured 0 on mlx[cpu])

@@ -13,7 +13,7 @@ import pytest
 from edgespec import tree as tree_mod
 from edgespec.backends.reference import ReferenceBackend
 from edgespec.sampling import SamplingParams, process, sample
-from edgespec.tree import DraftTree, verify_tree, verify_tree_greedy, verify_tree_stochastic
+from edgespec.tree import DraftTree, node_path, verify_tree, verify_tree_greedy, verify_tree_stochastic
 from edgespec.verify import verify_greedy, verify_stochastic
 
 PROMPT = [0, 3, 1]
@@ -103,7 +103,7 @@ def test_greedy_tree_follows_the_plain_argmax_chain_on_the_reference_model():
         for _ in range(n):
             par = int(rng.integers(-1, len(tokens)))
             taken = {x for x, up in zip(tokens, parents) if up == par}
-            greedy = int(np.argmax(target.next_logits(PROMPT + [tokens[j] for j in _path(parents, par)])))
+            greedy = int(np.argmax(target.next_logits(PROMPT + [tokens[j] for j in node_path(parents, par)])))
             free = [x for x in range(6) if x not in taken]
             if not free:
                 continue
@@ -121,12 +121,6 @@ def test_greedy_tree_follows_the_plain_argmax_chain_on_the_reference_model():
     assert long_paths > 20
 
 
-def _path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
 
 
 # --- sampled -------------------------------------------------------------------------------------

@@ -29,14 +29,6 @@ def random_tree(rng: np.random.Generator, n_vocab: int, max_nodes: int = 12, wid
     return tokens, parents
 
 
-def node_path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| over the row's logit range, the worst row."""
     span = want.max(axis=-1) - want.min(axis=-1)

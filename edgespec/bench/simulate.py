@@ -27,8 +27,8 @@ from edgespec.drafters.base import Draft, DraftCost
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
 from edgespec.schedule import chain as chain_mod
-from edgespec.schedule import trees as trees_mod
 from edgespec.schedule import scheduler as scheduler_mod
+from edgespec.schedule import trees as trees_mod
 from edgespec.schedule.costs import K_MAX
 from edgespec.schedule.trees import TreeScheduling
 from edgespec.tree import DraftTree
@@ -235,11 +235,9 @@ class TraceDrafter:
         drafted to (`stop` may end it early, as `draft`), then to its first max_nodes nodes (parents
         come first), drafted at its chain's cost."""
         tr = self.trace
-        assert tr is not None and tr.trees is not None
-        tokens, parents, conf = tr.trees[len(context) - tr.prompt_len]
+        assert tr is not None
         chain = self.draft(context, max_depth, params, rng, stop)
-        tree = within_depth(DraftTree(tokens, parents, confidence=conf), max(1, len(chain.tokens)))
-        tree = tree.subtree(range(min(max_nodes, tree.n_nodes)))
+        tree = recorded_tree(tr, len(context) - tr.prompt_len, max(1, len(chain.tokens)), max_nodes)
         tree.chain_draft = chain
         return tree
 
@@ -274,6 +272,15 @@ def run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any) -> list[Re
     """Every task of a trace set (a chain: of its members' sets, task by task) under `-k auto`, as the
     engine's loop runs it (Engine._cycle), on modeled time: a pair's first run."""
     return _run_auto(members, device, None)[0]
+
+
+def recorded_tree(trace: Trace, p: int, depth: int, nodes: int) -> DraftTree:
+    """The tree `trace` recorded at position p, cut to `depth`, then to its first `nodes` nodes (parents
+    come first)."""
+    assert trace.trees is not None
+    tokens, parents, conf = trace.trees[p]
+    tree = within_depth(DraftTree(tokens, parents, confidence=conf), depth)
+    return tree.subtree(range(min(nodes, tree.n_nodes)))
 
 
 def tree_path(tree: DraftTree, output: list[int], p: int) -> list[int]:

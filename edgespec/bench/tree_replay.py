@@ -22,14 +22,22 @@ import statistics
 import sys
 from typing import Any
 
-from edgespec.bench.replay import by_category, load_sets, set_name, total
-from edgespec.bench.simulate import (Costs, Result, Task, _limit, _run_auto, plain_ms, prepare, run_controller,
-                                     tree_path)
 from edgespec.bench import policies as pol
+from edgespec.bench.replay import by_category, load_sets, set_name, total
+from edgespec.bench.simulate import (
+    Costs,
+    Result,
+    Task,
+    _limit,
+    _run_auto,
+    plain_ms,
+    prepare,
+    recorded_tree,
+    run_controller,
+    tree_path,
+)
 from edgespec.bench.trace import TraceSet
 from edgespec.schedule.costs import K_MAX
-from edgespec.tree import DraftTree
-from edgespec.tree_step import within_depth
 
 TREE_NODES = K_MAX - 1  # what --tree auto may verify
 NODES = (2, 4, 8, 16, 31)
@@ -42,11 +50,8 @@ def run_tree_fixed(task: Task, c: Costs, gamma: int, nodes: int) -> Result:
     assert tr.trees is not None
     n, ctx0 = len(tr.output), tr.prompt_len - 1
     while p < n:
-        tree, limit = None, _limit(tr, p)
-        if limit:
-            tokens, parents, conf = tr.trees[p]
-            tree = within_depth(DraftTree(tokens, parents, confidence=conf), min(gamma, limit))
-            tree = tree.subtree(range(min(nodes, tree.n_nodes)))
+        limit = _limit(tr, p)
+        tree = recorded_tree(tr, p, min(gamma, limit), nodes) if limit else None
         k = tree.n_nodes if tree is not None else 0
         acc = len(tree_path(tree, tr.output, p)) if k else 0
         t_draft = c.draft(len(tree.first_chain())) if k else 0.0

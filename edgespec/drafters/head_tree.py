@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from edgespec.drafters.tree_draft import gumbel_top, side_tree, top_ids
 from edgespec.sampling import SamplingParams, process_rows
-from edgespec.tree import DraftTree
+from edgespec.tree import DraftTree, node_path
 
 F64 = npt.NDArray[np.float64]
 RANK = SamplingParams(temperature=1.0)  # greedy trees rank alternatives by the head's raw softmax
@@ -113,8 +113,8 @@ def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]],
             chosen = [i for i in chosen if sum(1 for j, v in enumerate(value) if j != i and v >= value[i]) < max_nodes]
         if not chosen or (sampled and len(tokens) >= max_nodes):
             break
-        chosen.sort(key=lambda i: _path(parents, i))  # subtrees together
-        paths = [_path(parents, i) for i in chosen]
+        chosen.sort(key=lambda i: node_path(parents, i))  # subtrees together
+        paths = [node_path(parents, i) for i in chosen]
         dists = dict(zip(chosen, expand(paths, [[tokens[j] for j in p] for p in paths]), strict=True))
         start = len(tokens)
         if sampled:
@@ -137,11 +137,3 @@ def dynamic_tree(root: F64, expand: Callable[[list[list[int]], list[list[int]]],
     new = {old: k for k, old in enumerate(keep)}
     return DraftTree([tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep],
                      np.stack([rows[i] for i in keep]) if sampled and keep else None, [cond[i] for i in keep])
-
-
-def _path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]

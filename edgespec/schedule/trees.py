@@ -97,7 +97,6 @@ class TreeDrafting:
         self.drafter, self.max_nodes = drafter, max_nodes
         self.tree: DraftTree | None = None
         self.chain = Draft([])
-        self.name = getattr(drafter, "name", "drafter")
 
     def draft(self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
               stop=None) -> Draft:
