@@ -131,3 +131,12 @@ class LlamaHiddenBackend(LlamaCppBackend):
         if not 0 <= pos < min(self.n_past, len(self._has)) or not self._has[pos]:
             return None
         return self._rows[pos].copy()
+
+    def output_matrix(self) -> F32:
+        """The target's LM head (V, H) as float32 numpy, read from its GGUF (``output.weight``, or the tied
+        ``token_embd.weight``): what Medusa heads that share it multiply by."""
+        from edgespec.gguf_file import read_gguf
+
+        t = read_gguf(self.path)
+        return np.asarray(t.tensor("output.weight" if "output.weight" in t.tensors else "token_embd.weight"),
+                          np.float32)

@@ -244,6 +244,25 @@ class MlxBackend(Closing):
         self._n_past = at
         self.eval(replay, rows="none")  # recorded again: the checkpoint stays usable
 
+    def token_embeddings(self) -> Any:
+        """The target's token embeddings (V, H) as an mx array, unscaled (what llama.cpp's EAGLE-3
+        head reads from the target's token_embd): the weight itself, or dequantized once."""
+        emb = self.model.model.embed_tokens
+        if "scales" not in emb:  # nn.Embedding: no copy
+            return emb.weight
+        return emb(self._mx.arange(self.n_vocab))  # nn.QuantizedEmbedding: dequantized rows
+
+    def lm_head_weights(self) -> Any:
+        """The target's LM head (V, H) as an mx array (what a DFlash head without its own reads):
+        the lm_head weight itself, dequantized once if quantized, or the tied token embeddings."""
+        if "lm_head" not in self.model:
+            return self.token_embeddings()
+        head = self.model.lm_head
+        if "scales" not in head:  # nn.Linear: no copy
+            return head.weight
+        return self._mx.dequantize(head.weight, head.scales, head.get("biases"), head.group_size, head.bits,
+                                   mode=getattr(head, "mode", "affine"))  # nn.QuantizedLinear
+
     def close(self) -> None:
         if self._vocab is not None:
             self._vocab.close()

@@ -121,22 +121,3 @@ class MlxFeatureBackend(StoredFeatures, MlxBackend):
         if tree is None:
             raise BackendError("keep_tree_path: no draft tree's feature rows were noted")
         self._store.append(tree[[0, *(i + 1 for i in path)]])
-
-    def token_embeddings(self) -> Any:
-        """The target's token embeddings (V, H) as an mx array, unscaled (what llama.cpp's EAGLE-3
-        head reads from the target's token_embd): the weight itself, or dequantized once."""
-        emb = self.model.model.embed_tokens
-        if "scales" not in emb:  # nn.Embedding: no copy
-            return emb.weight
-        return emb(self._mx.arange(self.n_vocab))  # nn.QuantizedEmbedding: dequantized rows
-
-    def lm_head_weights(self) -> Any:
-        """The target's LM head (V, H) as an mx array (what a DFlash head without its own reads):
-        the lm_head weight itself, dequantized once if quantized, or the tied token embeddings."""
-        if "lm_head" not in self.model:
-            return self.token_embeddings()
-        head = self.model.lm_head
-        if "scales" not in head:  # nn.Linear: no copy
-            return head.weight
-        return self._mx.dequantize(head.weight, head.scales, head.get("biases"), head.group_size, head.bits,
-                                   mode=getattr(head, "mode", "affine"))  # nn.QuantizedLinear

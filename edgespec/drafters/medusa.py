@@ -1,9 +1,11 @@
-"""Medusa drafting (Cai et al., ICML 2024, arXiv 2401.10774) on the llama.cpp backend.
+"""Medusa drafting (Cai et al., ICML 2024, arXiv 2401.10774) on the llama.cpp and MLX backends.
 
 Head k (k = 0..K−1) reads the target's final-norm hidden state h_t at position t, the row whose logits
 chose the pending token x_{t+1}, and predicts x_{t+2+k} (heads.medusa). With the committed context
 c_0..c_{N−1} (c_{N−1} pending, not yet in the target's KV cache) that row is position N−2, which the
-target opened by ``open_backend(..., hidden=True)`` (backends.llama_hidden.LlamaHiddenBackend) keeps.
+target opened by ``open_backend(..., hidden=True)`` keeps: backends.llama_hidden.LlamaHiddenBackend on
+llama.cpp, backends.mlx_hidden.MlxHiddenBackend on MLX. That target is the one backend-specific part
+(``HiddenTarget``: its rows and, for heads sharing it, its LM head); the heads run in numpy on either.
 
 * Chain (``draft``): token i is head i's argmax (greedy), or drawn from head i's processed distribution
   (sampling.process_rows, as for the target; its q row kept). Head i never sees the tokens drafted before
@@ -42,11 +44,20 @@ F32 = npt.NDArray[np.float32]
 
 
 class HiddenTarget(Protocol):
-    """What the drafter reads from its target (backends.llama_hidden.LlamaHiddenBackend)."""
+    """What the drafter reads from its target (backends.llama_hidden.LlamaHiddenBackend,
+    backends.mlx_hidden.MlxHiddenBackend)."""
 
     path: str
+    n_embd: int
+    n_vocab: int
 
-    def hidden(self, pos: int) -> F32 | None: ...
+    def hidden(self, pos: int) -> F32 | None:
+        """The final-norm hidden state (H,) of position `pos`, None where the target holds none."""
+        ...
+
+    def output_matrix(self) -> F32:
+        """The target's LM head (V, H) float32 (heads sharing it multiply by it)."""
+        ...
 
 
 class MedusaRunner:
@@ -266,10 +277,5 @@ def open_medusa(path: str | Path, target: Any) -> MedusaDrafter:
     except (ValueError, OSError) as e:
         raise EdgespecError(f"cannot read the Medusa heads {path}: {e}") from None
     check_medusa_fit(config, path, target.path, target.n_embd, target.n_vocab)
-    lm_head = None
-    if config.shared_lm_head:
-        from edgespec.gguf_file import read_gguf
-
-        t = read_gguf(target.path)
-        lm_head = t.tensor("output.weight" if "output.weight" in t.tensors else "token_embd.weight")
+    lm_head = target.output_matrix() if config.shared_lm_head else None
     return MedusaDrafter(MedusaRunner(config, tensors, lm_head), target, str(path))

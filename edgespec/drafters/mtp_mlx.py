@@ -27,31 +27,13 @@ import numpy as np
 import numpy.typing as npt
 
 from edgespec.backends.llama_features import FeatureStore
+from edgespec.backends.mlx_hidden import tap_class
 from edgespec.drafters.base import Chain, Draft, DraftCost, common_prefix
 from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.heads.mtp_mlx import MlxMtpHead, check_weights, load_mtp_weights, target_embed_head
 from edgespec.sampling import SamplingParams
 
 F32 = npt.NDArray[np.float32]
-
-
-def _tap_class() -> type:
-    import mlx.nn as nn
-
-    class TapNorm(nn.Module):
-        """Runs the wrapped norm and hands its output to ``record``."""
-
-        def __init__(self, inner: Any, record: Callable[[Any], None]) -> None:
-            super().__init__()
-            self.inner = inner
-            self._record = record
-
-        def __call__(self, x: Any) -> Any:
-            y = self.inner(x)
-            self._record(y)
-            return y
-
-    return TapNorm
 
 
 class FinalHiddenTap:
@@ -69,7 +51,7 @@ class FinalHiddenTap:
         self._store = FeatureStore(self.n_embd)
         self._pending: list[tuple[int, Any]] = []
         self._inner = body.norm
-        body.norm = _tap_class()(body.norm, self._record)
+        body.norm = tap_class()(body.norm, self._record)
 
     def _record(self, h: Any) -> None:
         # called inside the target's forward, before it counts the chunk: n_past is where it starts

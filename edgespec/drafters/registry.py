@@ -5,8 +5,8 @@ A spec is None or "none" (plain decoding), "ngram[:N_MAX[:N_MIN]]" (prompt looku
 target's vocabulary (a draft model), or a feature-head GGUF: EAGLE-3 ("eagle3") or DFlash ("dflash"; DSpark
 with the Markov head, markov_w1.weight), or a published EAGLE-3 / DFlash checkpoint directory, converted
 once against the target and cached (drafters.heads), "mtp": the target's own MTP layers (drafters.mtp;
-its target is opened with `mtp=True`), or a Medusa head GGUF ("medusa": drafters.medusa, llama.cpp only;
-its target is opened with `hidden=True`, keeping its final-norm hidden states).
+its target is opened with `mtp=True`), or a Medusa head GGUF ("medusa": drafters.medusa, on llama.cpp and
+MLX; its target is opened with `hidden=True`, keeping its final-norm hidden states).
 
 `plan_drafter` reads a spec once, with file work only (names resolved, a checkpoint converted, a head's
 header read and checked against the target's), into a frozen DrafterPlan; `open_drafter` opens a plan
@@ -115,8 +115,8 @@ def plan_drafter(spec: Spec | None, target: Path | None, backend: str = "llama.c
 
 
 def _plan_medusa(text: str, path: Path, target: Path | None, backend: str) -> DrafterPlan:
-    if backend != "llama.cpp":
-        raise EdgespecError(f"the Medusa heads {text} draft on llama.cpp only (not --backend {backend})")
+    """Medusa heads checked against a GGUF target's header (an MLX directory's sizes are checked when the
+    drafter opens)."""
     from edgespec.drafters.medusa import check_medusa_target_header, read_medusa_header
 
     if target is not None:
@@ -156,8 +156,8 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
         backend: "llama.cpp" or "mlx".
         layers: target layer ids whose inputs a feature head reads (None: a plain backend).
         mtp: a target loaded with its MTP layers that keeps their input rows (drafters.mtp).
-        hidden: a llama.cpp target that keeps its final-norm hidden states (Medusa heads:
-            backends.llama_hidden).
+        hidden: a target that keeps its final-norm hidden states (Medusa heads: backends.llama_hidden,
+            backends.mlx_hidden).
         **options: as for LlamaCppBackend / MlxBackend (n_ctx, threads, n_gpu_layers, verbose).
     """
     check_backend(backend)
@@ -171,12 +171,10 @@ def open_backend(path: Path, backend: str = "llama.cpp", layers: Sequence[int] |
 
         return LlamaMtpTarget(path, **options)
     if hidden:
-        if layers is not None or mtp or backend != "llama.cpp":
-            raise EdgespecError(f"Medusa heads draft on llama.cpp alone (backend {backend!r}, head layers {layers}, "
-                                f"mtp {mtp})")
-        from edgespec.backends.llama_hidden import LlamaHiddenBackend
-
-        return LlamaHiddenBackend(path, **options)
+        if layers is not None or mtp:
+            raise EdgespecError(f"Medusa heads draft without a feature head or MTP layers on the same target "
+                                f"(backend {backend!r}, head layers {layers}, mtp {mtp})")
+        return _HIDDEN[backend]()(path, **options)
     if layers is not None:
         options["layers"] = tuple(layers)
     return _BACKENDS[backend, layers is not None]()(path, **options)
@@ -211,10 +209,24 @@ def _mlx_features() -> type:
     return MlxFeatureBackend
 
 
+def _llama_hidden() -> type:
+    from edgespec.backends.llama_hidden import LlamaHiddenBackend
+
+    return LlamaHiddenBackend
+
+
+def _mlx_hidden() -> type:
+    from edgespec.backends.mlx_hidden import MlxHiddenBackend
+
+    return MlxHiddenBackend
+
+
 # (runtime, captures features) -> the backend class, imported on use (llama.cpp and MLX are extras)
 _BACKENDS: dict[tuple[str, bool], Callable[[], type]] = {
     ("llama.cpp", False): _llama, ("llama.cpp", True): _llama_features,
     ("mlx", False): _mlx, ("mlx", True): _mlx_features}
+# runtime -> the target that keeps its final-norm hidden states (Medusa heads)
+_HIDDEN: dict[str, Callable[[], type]] = {"llama.cpp": _llama_hidden, "mlx": _mlx_hidden}
 
 
 # -- open: drafters --------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""Medusa drafting on MLX (drafters.medusa over backends.mlx_hidden.MlxHiddenBackend): the hidden state the
+MLX target keeps is a plain MLX evaluation's final-norm state of that row (chunked, rolled back, and for the
+path a draft tree keeps), its logits are unchanged, the drafter's chain is the numpy heads' on it, greedy
+speculative output through the Engine equals plain greedy output (chains and forced trees), sampled
+generations draft, and the registry plans Medusa for --backend mlx but still refuses heads of another
+target in one line. test_medusa_drafter.py's tiny F32 llama (converted to MLX) and heads; marked real (the
+GGUF copies SmolLM2's tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_fixtures import build_tiny_llama
+from mlx_fixtures import build_tiny_mlx, own_mlx_home  # noqa: F401 (used by pytestmark)
+from test_medusa_drafter import PROMPT, H, K, _memorised, files, lm_head  # noqa: F401 (fixtures)
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'edgespec[mlx]'")
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'edgespec[mlx]'")
+
+import edgespec  # noqa: E402
+from edgespec.backends import mlx_tree  # noqa: E402
+from edgespec.backends.mlx import MlxBackend  # noqa: E402
+from edgespec.backends.mlx_hidden import MlxHiddenBackend  # noqa: E402
+from edgespec.backends.reference import ReferenceBackend  # noqa: E402
+from edgespec.drafters.medusa import MedusaDrafter, open_medusa  # noqa: E402
+from edgespec.drafters.registry import open_backend, open_drafter, plan_drafter  # noqa: E402
+from edgespec.errors import EdgespecError  # noqa: E402
+from edgespec.heads.medusa import MedusaConfig, MedusaHead, write_medusa_gguf  # noqa: E402
+from edgespec.sampling import SamplingParams, process_rows  # noqa: E402
+
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("own_mlx_home")]
+TOL = 1e-3  # of the hidden state's range, as test_mlx_features' feature comparisons
+
+
+def _rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / (b.max() - b.min()))
+
+
+def _final_norm(path: Path, tokens: list[int]) -> np.ndarray:
+    """A plain MLX evaluation's final-norm hidden states of `tokens` (one forward, no cache): (n, H)."""
+    with MlxBackend(path, n_ctx=256) as plain:
+        h = plain.model.model(mx.array([tokens]))[0].astype(mx.float32)
+        mx.eval(h)
+        return np.array(h)
+
+
+@pytest.fixture(scope="module")
+def target(files):  # noqa: F811
+    with MlxHiddenBackend(files["target"], n_ctx=256, n_batch=4) as t:
+        yield t
+
+
+def test_hidden_state_is_the_final_norm_row_and_logits_are_unchanged(files, lm_head, target):  # noqa: F811
+    tokens = target.tokenize(PROMPT)
+    want = _final_norm(files["target"], tokens)
+    target.truncate(0)
+    target.eval(tokens[:6], rows="none")  # chunks of 4 + 2, no logits
+    logits = target.eval(tokens[6:], rows="all")
+    assert target.n_embd == H and [target.hidden(p) is None for p in (-1, len(tokens))] == [True, True]
+    h = np.stack([target.hidden(p) for p in range(len(tokens))])
+    diff = _rel_diff(h, want)
+    print(f"MLX hidden rows vs one plain forward's final norm: {diff:.1e} of the range")
+    assert h.shape == want.shape and h.dtype == np.float32 and diff <= TOL
+    got = h[6:].astype(np.float64) @ lm_head.T.astype(np.float64)  # what the LM head reads
+    assert np.abs(got - logits).max() <= 1e-4 * float(logits.max() - logits.min())
+    with MlxBackend(files["target"], n_ctx=256, n_batch=4) as plain:  # the tap changes no logit, bit for bit
+        plain.eval(tokens[:6], rows="none")
+        assert np.array_equal(plain.eval(tokens[6:], rows="all"), logits)
+    assert np.abs(target.output_matrix() - lm_head).max() < 1e-6
+    target.truncate(5)  # rolled back rows are gone; evaluated again, they are the new tokens'
+    assert target.hidden(4) is not None and target.hidden(5) is None
+    target.eval([17, 42], rows="last")
+    again = _final_norm(files["target"], tokens[:5] + [17, 42])
+    assert _rel_diff(np.stack([target.hidden(p) for p in range(7)]), again) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["shared", "own"])
+def test_chain_is_the_numpy_heads_on_h(kind, files, lm_head, target):  # noqa: F811
+    drafter = open_medusa(files[kind], target)
+    oracle = MedusaHead.from_gguf(files[kind], lm_head=lm_head if kind == "shared" else None)
+    tokens = target.tokenize(PROMPT)
+    target.truncate(0)
+    target.eval(tokens[:-1], rows="last")  # the engine's state: the last context token pending
+    ref = oracle.logits(target.hidden(len(tokens) - 2)[None])[:, 0]  # (K, V)
+    rng = np.random.default_rng(0)
+    greedy = drafter.draft(tokens, 5, SamplingParams(temperature=0.0), rng)
+    assert greedy.tokens == [int(np.argmax(r)) for r in ref] and greedy.q is None
+    params = SamplingParams(temperature=0.8, top_k=40)
+    sampled = drafter.draft(tokens, K, params, rng)
+    want = np.stack([process_rows(r[None], params)[0].dense() for r in ref])
+    assert sampled.q is not None and np.abs(sampled.q - want).max() < 1e-5
+    tree = drafter.draft_tree(tokens, 8, K, SamplingParams(temperature=0.0), rng)
+    assert tree.n_nodes == 8 and tree.tokens[0] == greedy.tokens[0]
+
+
+def test_tree_rows_are_kept_for_the_path_a_tree_cycle_keeps(files, target):  # noqa: F811
+    """mlx_tree.eval_tree notes the tree's rows and keep_path stores the kept path's: they are the rows of
+    the same tokens evaluated as a chain, and the next draft reads them."""
+    tokens = target.tokenize(PROMPT)
+    with MlxHiddenBackend(files["target"], n_ctx=256) as t:  # a tree of 9 rows: one batch of the default 512
+        drafter = open_medusa(files["shared"], t)
+        for pick in (lambda tree: [tree.children(-1)[0], tree.children(tree.children(-1)[0])[0]],  # first children
+                     lambda tree: [tree.children(-1)[1]]):  # a later sibling
+            t.truncate(0)
+            t.eval(tokens[:-1], rows="last")
+            tree = drafter.draft_tree(tokens, 8, K, SamplingParams(temperature=0.0), np.random.default_rng(0))
+            mlx_tree.eval_tree(t, tokens[-1], tree.tokens, tree.parents)
+            path = pick(tree)
+            mlx_tree.keep_path(t, path)
+            seq = tokens + [tree.tokens[i] for i in path]
+            assert t.n_past == len(seq) and t.hidden(len(seq)) is None
+            got = np.stack([t.hidden(p) for p in range(len(seq))])
+            diff = _rel_diff(got, _final_norm(files["target"], seq))
+            print(f"kept tree path {path}: hidden rows vs a plain forward's {diff:.1e} of the range")
+            assert diff <= TOL
+            assert drafter.draft(seq + [0], K, SamplingParams(temperature=0.0), np.random.default_rng(0)).tokens
+
+
+@pytest.mark.parametrize("tree", ["off", 8])
+def test_greedy_speculative_equals_plain_through_the_engine(tree, files, target, tmp_path):  # noqa: F811
+    """edgespec.load(..., backend="mlx") with Medusa heads: random heads (shared LM head) and heads that
+    recall the target's own continuation (all but the last head's token accepted), chain γ 3 and forced
+    8-node trees."""
+    prompt = target.tokenize(PROMPT)
+    with edgespec.load(files["target"], drafter=str(files["shared"]), backend="mlx", n_ctx=512, num_draft=3,
+                       tree=tree) as engine:
+        assert isinstance(engine.drafter, MedusaDrafter) and isinstance(engine.target, MlxHiddenBackend)
+        plain = engine.generate(prompt, max_tokens=24, speculative=False)
+        spec = engine.generate(prompt, max_tokens=24)
+        assert spec.tokens == plain.tokens and spec.stats.n_drafted > 0
+    heads = _memorised(tmp_path / "recall.gguf", target, prompt + plain.tokens, target.n_vocab)
+    with edgespec.load(files["target"], drafter=str(heads), backend="mlx", n_ctx=512, num_draft=3,
+                       tree=tree) as engine:
+        stats = []
+        for p in (prompt, "Once upon a time"):
+            want = engine.generate(p, max_tokens=24, speculative=False)
+            spec = engine.generate(p, max_tokens=24)
+            assert spec.tokens == want.tokens, p
+            assert all(d > 0 for d, _ in spec.stats.cycles[:-1]), spec.stats.cycles  # every cycle drafted
+            stats.append(spec.stats)
+    print(f"tree {tree}: accepted of drafted:", [(s.n_accepted, s.n_drafted) for s in stats])
+    assert stats[0].n_accepted >= 1.5 * stats[0].n_cycles  # recalled: the first K - 1 of most drafts accepted
+    if tree != "off":
+        assert stats[0].tree_cycles >= stats[0].n_cycles - 1
+    assert stats[1].n_accepted < stats[1].n_drafted  # an unseen prompt: some rejected
+
+
+@pytest.mark.parametrize("tree", ["off", 8])
+def test_sampled_generations_draft(tree, files):  # noqa: F811
+    """Sampled speculative decoding with Medusa heads on MLX, chains and trees: every cycle but the last
+    drafts and emits at least one token, and the same seed gives the same text."""
+    with edgespec.load(files["target"], drafter=str(files["own"]), backend="mlx", n_ctx=512, num_draft=3,
+                       tree=tree) as engine:
+        runs = [engine.generate(PROMPT, max_tokens=16, temperature=1.0, top_k=8, seed=s) for s in (3, 3)]
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 16
+    assert runs[0].stats.n_drafted > 0 and all(d > 0 for d, _ in runs[0].stats.cycles[:-1])
+
+
+def test_plan_takes_mlx_and_refuses_heads_of_another_target(files, tmp_path, smollm2_path):  # noqa: F811
+    assert plan_drafter(files["own"], files["target"], backend="mlx").kind == "medusa"
+    narrow = build_tiny_llama(tmp_path / "narrow.gguf", vocab_source=smollm2_path, n_embd=32)
+    with pytest.raises(EdgespecError) as e:
+        plan_drafter(files["own"], narrow, backend="mlx")
+    assert "\n" not in str(e.value) and str(files["own"]) in str(e.value) and str(narrow) in str(e.value)
+    # an mlx-lm directory has no GGUF header to check at plan time: the sizes are checked when it opens
+    d = build_tiny_mlx(tmp_path / "tiny-mlx", n_vocab=6)
+    plan = plan_drafter(files["own"], d, backend="mlx")
+    with open_backend(d, "mlx", hidden=True, vocab=ReferenceBackend(6)) as t:
+        with pytest.raises(EdgespecError, match="hidden size") as e:
+            open_drafter(plan, t, "mlx")
+        assert "\n" not in str(e.value) and str(files["own"]) in str(e.value) and str(d) in str(e.value)
+        small = write_medusa_gguf(tmp_path / "small.gguf", MedusaConfig(1, 0, 32, 300, True), {},
+                                  weight_type="f32")
+        with pytest.raises(EdgespecError, match="vocabulary"):
+            open_drafter(plan_drafter(small, d, backend="mlx"), t, "mlx")
