@@ -175,3 +175,18 @@ def test_plan_takes_mlx_and_refuses_heads_of_another_target(files, tmp_path, smo
                                   weight_type="f32")
         with pytest.raises(EdgespecError, match="vocabulary"):
             open_drafter(plan_drafter(small, d, backend="mlx"), t, "mlx")
+
+
+def test_a_published_checkpoint_directory_drafts_on_mlx(files, target, tmp_path):  # noqa: F811
+    """`--backend mlx --drafter DIR` with a Medusa checkpoint in FasterDecoding's layout: converted once for
+    the GGUF target (as on llama.cpp), then drafted with on MLX; greedy == plain through a forced tree."""
+    pytest.importorskip("torch", reason="the checkpoint is written with torch: pip install 'edgespec[train]'")
+    from medusa_reference import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "medusa-ckpt", K, 1, H, target.n_vocab, own_output=True, untied=False,
+                         dtype="fp32", seed=3)
+    with edgespec.load(files["target"], drafter=str(d), backend="mlx", n_ctx=512, num_draft=3, tree=8) as engine:
+        assert isinstance(engine.drafter, MedusaDrafter)
+        want = engine.generate(PROMPT, max_tokens=16, speculative=False)
+        spec = engine.generate(PROMPT, max_tokens=16)
+        assert spec.tokens == want.tokens and spec.stats.n_drafted > 0 and spec.stats.tree_cycles > 0
