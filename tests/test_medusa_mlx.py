@@ -190,3 +190,62 @@ def test_a_published_checkpoint_directory_drafts_on_mlx(files, target, tmp_path)
         want = engine.generate(PROMPT, max_tokens=16, speculative=False)
         spec = engine.generate(PROMPT, max_tokens=16)
         assert spec.tokens == want.tokens and spec.stats.n_drafted > 0 and spec.stats.tree_cycles > 0
+
+
+N_VOCAB = 12
+
+
+def _random_heads(n_embd: int, seed: int) -> tuple[MedusaConfig, dict[str, np.ndarray]]:
+    """K heads of one ResBlock sharing the target's LM head, random (as test_medusa_drafter's)."""
+    config = MedusaConfig(K, 1, n_embd, N_VOCAB, shared_lm_head=True)
+    rng = np.random.default_rng(seed)
+    return config, {name: ((0.3 if len(shape) == 2 else 0.1) * rng.standard_normal(shape)
+                           / (np.sqrt(n_embd) if len(shape) == 2 else 1.0)).astype(np.float32)
+                    for name, shape in config.shapes().items()}
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2", "falcon_h1"])
+def test_other_model_types_keep_their_final_norm_rows_and_speculate(arch, tmp_path):
+    """The final norm of Gemma 3 (sliding layers, scaled embeddings), LFM2 (``embedding_norm``; recurrent
+    short convolutions beside attention) and Falcon-H1 (``final_layernorm``; Mamba-2 state + KV): the rows
+    equal one plain forward's after chunks and, on the recurrent ones, a rollback replayed from the
+    checkpoint; greedy speculation with Medusa heads equals plain decoding."""
+    from edgespec.drafters.medusa import MedusaRunner
+    from edgespec.engine import Engine
+
+    d = build_tiny_mlx(tmp_path / arch, model_type=arch, n_vocab=N_VOCAB)
+    rng = np.random.default_rng(5)
+    seq = [int(x) for x in rng.integers(0, N_VOCAB, 9)]
+    t = MlxHiddenBackend(d, vocab=ReferenceBackend(N_VOCAB), n_batch=3)
+    t.eval(seq[:4], rows="none")
+    t.checkpoint()
+    t.eval(seq[4:], rows="all")
+    t.truncate(6)  # a recurrent target re-evaluates positions 4, 5 from its checkpoint
+    t.eval([3, 1], rows="last")
+    kept = seq[:6] + [3, 1]
+    with MlxBackend(d, vocab=ReferenceBackend(N_VOCAB)) as plain:
+        want = plain.model.model(mx.array([kept]))[0].astype(mx.float32)
+        mx.eval(want)
+    got = np.stack([t.hidden(p) for p in range(len(kept))])
+    assert t.hidden(len(kept)) is None and _rel_diff(got, np.array(want)) <= TOL, arch
+    config, tensors = _random_heads(t.n_embd, seed=7)
+    drafter = MedusaDrafter(MedusaRunner(config, tensors, t.output_matrix()), t)
+    t.truncate(0)
+    with Engine(t, drafter, num_draft=3) as engine:
+        accepted = 0
+        for prompt in ([1, 2, 3, 4, 5], [7, 7, 0, 11, 2, 9]):
+            plain_out = engine.generate(prompt, max_tokens=24, speculative=False)
+            spec = engine.generate(prompt, max_tokens=24)
+            assert spec.tokens == plain_out.tokens, (arch, prompt)
+            assert spec.stats.n_drafted > 0
+            accepted += spec.stats.n_accepted
+    print(f"{arch}: {accepted} draft tokens accepted")
+
+
+def test_a_model_without_a_known_final_norm_is_refused(tmp_path):
+    from edgespec.errors import ModelLoadError
+
+    d = build_tiny_mlx(tmp_path / "mamba2", model_type="mamba2", n_vocab=N_VOCAB)
+    with pytest.raises(ModelLoadError, match="Medusa heads") as e:
+        MlxHiddenBackend(d, vocab=ReferenceBackend(N_VOCAB))
+    assert "\n" not in str(e.value) and "mamba2" in str(e.value)

@@ -1,12 +1,13 @@
 """The target's last hidden state (after its final norm) from the MLX backend, in the same forward pass:
 what Medusa heads read (drafters.medusa), as backends.llama_hidden gives it on llama.cpp.
 
-The mlx-lm text models end their body with ``return self.norm(h)`` (models/llama.py:197, gemma3_text,
-qwen2, qwen3, ...), and the LM head reads that output (``lm_head(self.model(...))``). So the body's
-``norm`` module is wrapped (``tap_class``) to hand its output over as it is computed: every forward of
-the backend (a prompt chunk with any ``rows``, a verification, a recurrent target's checkpoint replay)
-and every draft tree mlx_tree scores. The logits come from the same graph, so they are unchanged
-(tests/test_medusa_mlx.py).
+The mlx-lm text models end their body ``model.model`` with their final norm, whose output the LM head
+reads (``lm_head(self.model(...))``): ``return self.norm(h)`` (models/llama.py:197, gemma3_text, qwen2,
+qwen3, qwen3_5), ``self.embedding_norm(h)`` (lfm2.py:287) or ``self.final_layernorm(h)`` (falcon_h1.py:436),
+mlx-lm 0.32.2 (FINAL_NORMS). That module is wrapped (``tap_class``) to hand its output over as it is
+computed: every forward of the backend (a prompt chunk with any ``rows``, a verification, a recurrent
+target's checkpoint replay) and every draft tree mlx_tree scores. The logits come from the same graph, so
+they are unchanged (tests/test_medusa_mlx.py). Other layouts (Mamba's ``backbone``) are refused in one line.
 
 Unlike llama.cpp, whose last layer keeps only the rows whose logits were asked for, MLX computes the norm
 for every row of a forward: every evaluated position p keeps its row h_p (a superset of llama_hidden's
@@ -30,6 +31,7 @@ from edgespec.backends.mlx import MlxBackend
 from edgespec.errors import BackendError, ModelLoadError
 
 F32 = npt.NDArray[np.float32]
+FINAL_NORMS = ("norm", "embedding_norm", "final_layernorm")  # the final norm of ``model.model``, by model type
 
 
 def tap_class() -> type:
@@ -62,13 +64,15 @@ class MlxHiddenBackend(MlxBackend):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        body = getattr(self.model, "model", None)
-        if body is None or "norm" not in body:
+        body = self.model["model"] if "model" in self.model else {}
+        name = next((n for n in FINAL_NORMS if n in body), None)
+        if name is None:
             raise ModelLoadError(f"model type {self.model_type!r} is not supported for Medusa heads: its mlx-lm "
-                                 f"class has no final norm (model.norm) to read hidden states from ({self.path})")
-        self.n_embd = int(body.norm.weight.shape[-1])
+                                 f"class has no final norm (model.{'/'.join(FINAL_NORMS)}) to read hidden states "
+                                 f"from ({self.path})")
+        self.n_embd = int(body[name].weight.shape[-1])
         self._captured: Any = None  # the norm's output in the last forward, (B, L, H)
-        body.norm = tap_class()(body.norm, self._record)
+        body[name] = tap_class()(body[name], self._record)
         self._store = FeatureStore(self.n_embd)  # row p: h of position p
         self._tree_rows: F32 | None = None  # note_tree's rows (root, then the nodes) until keep_tree_path
 
