@@ -249,3 +249,24 @@ def test_a_model_without_a_known_final_norm_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="Medusa heads") as e:
         MlxHiddenBackend(d, vocab=ReferenceBackend(N_VOCAB))
     assert "\n" not in str(e.value) and "mamba2" in str(e.value)
+
+
+def test_greedy_auto_trees_on_mlx(files):  # noqa: F811
+    """`--tree auto` with Medusa heads on MLX, schedule.trees on a flat T(k) so that trees are taken while
+    the scheduler still drafts: greedy == plain, token for token (as test_medusa_drafter's on llama.cpp)."""
+    from dataclasses import replace
+
+    from test_tree_auto import FLAT, _scheduler
+
+    from edgespec.schedule.trees import TreeScheduling
+
+    with edgespec.load(files["target"], drafter=str(files["shared"]), backend="mlx", n_ctx=512,
+                       num_draft="auto", tree="auto") as engine:
+        prior = replace(engine.drafter.cost_prior(), fixed_ms=0.1, per_token_ms=0.1)
+        sched, trees = TreeScheduling(_scheduler(FLAT, prior), 16), 0
+        for p in (PROMPT, "Once upon a time"):
+            want = engine.generate(p, max_tokens=24, speculative=False)
+            spec = engine.generate(p, max_tokens=24, scheduler=sched)
+            assert spec.tokens == want.tokens, p
+            trees += spec.stats.tree_cycles
+        assert trees > 0

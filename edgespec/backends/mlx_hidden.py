@@ -50,6 +50,11 @@ def tap_class() -> type:
             self._record(y)
             return y
 
+        def __getattr__(self, key: str) -> Any:  # the norm's own attributes (its weight: a second tap sizes by it)
+            if key in self or "inner" not in self:
+                return super().__getattr__(key)
+            return getattr(self["inner"], key)
+
     return TapNorm
 
 
