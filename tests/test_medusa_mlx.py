@@ -76,14 +76,22 @@ def test_hidden_state_is_the_final_norm_row_and_logits_are_unchanged(files, lm_h
     assert _rel_diff(np.stack([target.hidden(p) for p in range(7)]), again) <= TOL
 
 
+@pytest.mark.parametrize("runtime", ["numpy", "mlx"])
 @pytest.mark.parametrize("kind", ["shared", "own"])
-def test_chain_is_the_numpy_heads_on_h(kind, files, lm_head, target):  # noqa: F811
-    drafter = open_medusa(files[kind], target)
+def test_chain_is_the_numpy_heads_on_h(kind, runtime, files, lm_head, target):  # noqa: F811
+    """The heads run in numpy (MedusaRunner, the target's LM head copied) or on MLX (MlxMedusaRunner, the
+    target's own LM head called): either's logits are the float64 oracle's on the target's row."""
+    drafter = open_medusa(files[kind], target, runtime)
+    assert type(drafter.runner).__name__ == {"numpy": "MedusaRunner", "mlx": "MlxMedusaRunner"}[runtime]
     oracle = MedusaHead.from_gguf(files[kind], lm_head=lm_head if kind == "shared" else None)
     tokens = target.tokenize(PROMPT)
     target.truncate(0)
     target.eval(tokens[:-1], rows="last")  # the engine's state: the last context token pending
     ref = oracle.logits(target.hidden(len(tokens) - 2)[None])[:, 0]  # (K, V)
+    got = np.stack([drafter.runner.logits(target.hidden(len(tokens) - 2), k) for k in range(K)])
+    diff = _rel_diff(got, ref)
+    print(f"{kind} heads in {runtime}: logits within {diff:.1e} of the range of the float64 oracle's")
+    assert got.dtype == np.float32 and diff <= 1e-5
     rng = np.random.default_rng(0)
     greedy = drafter.draft(tokens, 5, SamplingParams(temperature=0.0), rng)
     assert greedy.tokens == [int(np.argmax(r)) for r in ref] and greedy.q is None
@@ -118,21 +126,33 @@ def test_tree_rows_are_kept_for_the_path_a_tree_cycle_keeps(files, target):  # n
             assert drafter.draft(seq + [0], K, SamplingParams(temperature=0.0), np.random.default_rng(0)).tokens
 
 
+def _engine(target: Path, drafter: Path, tree: int | str, impl: str):
+    """edgespec.load(target, drafter, backend="mlx", num_draft=3, tree=tree) with the heads run by `impl`."""
+    from edgespec.session import Session, plan
+
+    return Session(plan(target, str(drafter), "mlx", num_draft=3, tree=tree, n_ctx=512), impl=impl).engine
+
+
+@pytest.mark.parametrize("impl", ["auto", "mlx"])
 @pytest.mark.parametrize("tree", ["off", 8])
-def test_greedy_speculative_equals_plain_through_the_engine(tree, files, target, tmp_path):  # noqa: F811
+def test_greedy_speculative_equals_plain_through_the_engine(tree, impl, files, target, tmp_path):  # noqa: F811
     """edgespec.load(..., backend="mlx") with Medusa heads: random heads (shared LM head) and heads that
     recall the target's own continuation (all but the last head's token accepted), chain γ 3 and forced
-    8-node trees."""
+    8-node trees, the heads run as "auto" picks (numpy on mlx[cpu]) and on MLX."""
+    from edgespec.heads.medusa_mlx import mlx_on_gpu
+
     prompt = target.tokenize(PROMPT)
+    runner = "MlxMedusaRunner" if impl == "mlx" or mlx_on_gpu() else "MedusaRunner"
     with edgespec.load(files["target"], drafter=str(files["shared"]), backend="mlx", n_ctx=512, num_draft=3,
                        tree=tree) as engine:
         assert isinstance(engine.drafter, MedusaDrafter) and isinstance(engine.target, MlxHiddenBackend)
         plain = engine.generate(prompt, max_tokens=24, speculative=False)
+    with _engine(files["target"], files["shared"], tree, impl) as engine:
+        assert type(engine.drafter.runner).__name__ == runner
         spec = engine.generate(prompt, max_tokens=24)
         assert spec.tokens == plain.tokens and spec.stats.n_drafted > 0
     heads = _memorised(tmp_path / "recall.gguf", target, prompt + plain.tokens, target.n_vocab)
-    with edgespec.load(files["target"], drafter=str(heads), backend="mlx", n_ctx=512, num_draft=3,
-                       tree=tree) as engine:
+    with _engine(files["target"], heads, tree, impl) as engine:
         stats = []
         for p in (prompt, "Once upon a time"):
             want = engine.generate(p, max_tokens=24, speculative=False)
@@ -140,7 +160,7 @@ def test_greedy_speculative_equals_plain_through_the_engine(tree, files, target,
             assert spec.tokens == want.tokens, p
             assert all(d > 0 for d, _ in spec.stats.cycles[:-1]), spec.stats.cycles  # every cycle drafted
             stats.append(spec.stats)
-    print(f"tree {tree}: accepted of drafted:", [(s.n_accepted, s.n_drafted) for s in stats])
+    print(f"tree {tree}, {runner}: accepted of drafted:", [(s.n_accepted, s.n_drafted) for s in stats])
     assert stats[0].n_accepted >= 1.5 * stats[0].n_cycles  # recalled: the first K - 1 of most drafts accepted
     if tree != "off":
         assert stats[0].tree_cycles >= stats[0].n_cycles - 1
@@ -160,6 +180,12 @@ def test_sampled_generations_draft(tree, files):  # noqa: F811
 
 def test_plan_takes_mlx_and_refuses_heads_of_another_target(files, tmp_path, smollm2_path):  # noqa: F811
     assert plan_drafter(files["own"], files["target"], backend="mlx").kind == "medusa"
+    from edgespec.backends.llama_hidden import LlamaHiddenBackend
+
+    with LlamaHiddenBackend(files["target"], n_ctx=64, threads=1) as llama:  # MLX runs heads for MLX targets
+        with pytest.raises(EdgespecError, match="MLX target") as e:
+            open_medusa(files["own"], llama, "mlx")
+        assert "\n" not in str(e.value)
     narrow = build_tiny_llama(tmp_path / "narrow.gguf", vocab_source=smollm2_path, n_embd=32)
     with pytest.raises(EdgespecError) as e:
         plan_drafter(files["own"], narrow, backend="mlx")

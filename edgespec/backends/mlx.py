@@ -183,8 +183,7 @@ class MlxBackend(Closing):
                 mx.eval(h, self._cache_arrays())
                 return None
             h = h[:, -1:] if want == "last" else h
-            head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
-            logits = head(h)  # (1, rows, V)
+            logits = self.lm_head()(h)  # (1, rows, V)
         else:
             logits = model(inputs, cache=self._caches)  # (1, L, V), lazy: computed only if evaluated
             if want == "none":  # a prompt chunk or a rollback's replay: no LM head at all
@@ -243,6 +242,13 @@ class MlxBackend(Closing):
             c.trim(c.offset - at)
         self._n_past = at
         self.eval(replay, rows="none")  # recorded again: the checkpoint stays usable
+
+    def lm_head(self) -> Callable[[Any], Any]:
+        """The target's LM head as a function of final-norm hidden states, mx (..., H) → (..., V): its
+        ``lm_head`` module or the tied embeddings' ``as_linear`` (quantized or not), as `eval` applies it
+        to the split-head model types."""
+        model = self.model
+        return model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
 
     def token_embeddings(self) -> Any:
         """The target's token embeddings (V, H) as an mx array, unscaled (what llama.cpp's EAGLE-3

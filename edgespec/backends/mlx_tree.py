@@ -173,8 +173,7 @@ def eval_tree(backend: MlxBackend, root: int, tokens: Sequence[int],
     try:
         if backend._split:
             h = model.model(inputs, cache=proxies)  # (n+1, 1, H)
-            head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
-            logits = head(h)
+            logits = backend.lm_head()(h)
         else:
             logits = model(inputs, cache=proxies)
         logits = logits[:, 0].astype(mx.float32)

@@ -240,7 +240,8 @@ def open_drafter(plan: DrafterPlan | Spec | None, target: Backend, backend: str 
         plan: from `plan_drafter`, or a spec, planned here against the target (None: no drafter).
         target: the opened target.
         backend: the draft model's backend.
-        impl: where a head runs (drafters.heads.open_head): "auto" takes the target's runtime.
+        impl: where a head runs (drafters.heads.open_head): "auto" takes the target's runtime (Medusa heads:
+            drafters.medusa.open_medusa's choice).
         **options: as for LlamaCppBackend / MlxBackend; a libllama head takes `threads`.
 
     Raises:
@@ -335,12 +336,13 @@ def _assistant(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl,
     return AssistantDrafter(plan.path, target, options.get("threads"))  # type: ignore[arg-type]  # checked there
 
 
-def _medusa(plan: DrafterPlan, target: Backend, *_: Any) -> Drafter:
-    """Medusa heads on a target opened with `open_backend(..., hidden=True)`."""
+def _medusa(plan: DrafterPlan, target: Backend, backend: str, impl: HeadImpl, options: dict[str, Any]) -> Drafter:
+    """Medusa heads on a target opened with `open_backend(..., hidden=True)`, run in numpy ("llama": as on
+    llama.cpp), on MLX ("mlx") or as drafters.medusa.open_medusa picks ("auto")."""
     from edgespec.drafters.medusa import open_medusa
 
     assert plan.path is not None
-    return open_medusa(plan.path, target)
+    return open_medusa(plan.path, target, {"llama": "numpy"}.get(impl, impl))  # type: ignore[arg-type]
 
 
 _DRAFTERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "history": _history, "head": _head,
