@@ -143,14 +143,15 @@ class SideHits:
 
     def speedup(self, cost: Any, a: np.ndarray, sums: np.ndarray, longest: int) -> np.ndarray:
         """CostModel.speedup for trees: the best tree's speedup at each per-position acceptance a
-        (S_d = a^d, `sums` their token_sums), less TREE_MARGIN as `plan`'s."""
+        (S_d = a^d, `sums` their token_sums). Without `plan`'s margin: this prices what probing may
+        learn (the Scheduler's expected gain), where `plan` bets a cycle on it."""
         t_draft, t_verify, r = cost.t_draft(), cost.t_verify(), self.rates()
         out = np.zeros(np.shape(a))
         for k, g in self._shapes(longest):
             if g * k + 1 < len(t_verify):
                 tokens = sums[..., g] + r[k] * (1.0 - a ** g)
                 out = np.maximum(out, tokens / (t_draft[g] + t_verify[g * k + 1]))
-        return out * t_verify[1] / (1.0 + TREE_MARGIN)
+        return out * t_verify[1]
 
 
 def _clip(c: float) -> float:
