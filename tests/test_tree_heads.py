@@ -395,3 +395,37 @@ def test_greedy_auto_trees_equal_plain_on_a_tiny_target(heads, name):
             trees += spec.stats.tree_cycles
         print(f"{name}: {trees} tree cycles under --tree auto, drafted {spec.stats.n_drafted} in {spec.stats.n_cycles} cycles, accepted {spec.stats.n_accepted}")
         assert trees > 0
+
+
+@pytest.mark.real
+def test_eagle3_head_syncs_prompts_longer_than_its_batch(heads, trees):
+    """Prompts longer than the head's n_batch (the target's) on llama.cpp, one after another with a
+    common prefix, with trees: greedy output == plain, and after every generation the head's KV cache
+    holds exactly its n_past positions. Regression: the sync encoded a later chunk of feature rows at
+    positions n_past + n_batch.., which libllama refuses (-1, Y = X + 1) whenever the cache holds a
+    position (the encoder stores none), and refused to decode more than n_batch pairs (ValueError):
+    the first spec-bench prompt over 512 tokens crashed a recording with the shipped head."""
+    from edgespec.backends.llama_features import LlamaFeatureBackend
+    from edgespec.drafters.heads import open_head, read_head
+
+    target_path, head = heads["eagle3"]
+    target = LlamaFeatureBackend(target_path, layers=(2, 4, 5), n_ctx=512, n_batch=32, threads=1, tree_leaves=NODES)
+    engine = Engine(target, open_head(read_head(head), target), num_draft=GAMMA, tree=NODES)
+    h = engine.drafter.head
+    long = " ".join(HELD_OUT * 4)
+    prompts = [long, HELD_OUT[0] + ", " + " ".join(reversed(HELD_OUT * 4)), long + " " + HELD_OUT[1]]
+    assert h.n_batch == 32 and all(len(target.tokenize(p)) > 2 * h.n_batch for p in prompts)
+    for p in prompts:
+        stats = greedy_lossless(engine, [p], 24)
+        assert h._ll.llama_memory_seq_pos_max(h._mem, 0) == h.n_past - 1 and h.n_past > 2 * h.n_batch
+    assert stats[0].tree_cycles > 0 and len(trees["trees"]) > 0
+    # more pairs than a batch with every output: the rows a batch at a time, the last as rows="last" gives it
+    n0, toks = h.n_past, target.tokenize(long)[:2 * h.n_batch + 3]
+    g = np.random.default_rng(0).standard_normal((len(toks), h.n_embd)).astype(np.float32)
+    z_all, h_all = h.decode(toks, g)
+    h.truncate(n0)
+    z_last, h_last = h.decode(toks, g, rows="last")
+    assert z_all.shape == (len(toks), h.n_vocab) and h_all.shape == (len(toks), h.n_embd) and h.n_past == n0 + len(toks)
+    np.testing.assert_allclose(z_all[-1:], z_last, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(h_all[-1:], h_last, rtol=0, atol=1e-3)
+    engine.close()

@@ -52,7 +52,8 @@ class LlamaEagle3Head(LlamaHeadContext):
         self._api.set_nextn(self._ctx, True, True)  # pre-norm rows for the outputs asked for
 
     def encode(self, features: F32) -> F32:
-        """fc over target features: (n, 3·H_t) → g (n, H)."""
+        """fc over target features: (n, 3·H_t) → g (n, H), in chunks of n_batch rows (one ubatch each:
+        the encoder needs its rows in one)."""
         ll, f = self._ll, np.ascontiguousarray(features, np.float32)
         if f.ndim != 2 or f.shape[1] != 3 * self.n_embd_tgt:
             raise ValueError(f"features must be (n, {3 * self.n_embd_tgt}) (got {f.shape})")
@@ -63,8 +64,10 @@ class LlamaEagle3Head(LlamaHeadContext):
             for i, row in enumerate(chunk):
                 idx = ll.llama_batch_ext_add_embd(self._batch, 0, self._embd(row))
                 # the encoder ignores positions, but llama.cpp checks that a batch continues the
-                # head's KV cache (Y = X + 1), as common/speculative.cpp's placeholders do
-                if idx < 0 or not self._set_pos(idx, (self._n_past + start + i, 0, 0, 0)):
+                # head's KV cache (Y = X + 1), as common/speculative.cpp's placeholders do. The
+                # encoder stores nothing in that cache, so EVERY chunk starts at n_past: a later
+                # chunk at n_past + start is refused (-1) whenever the cache holds a position
+                if idx < 0 or not self._set_pos(idx, (self._n_past + i, 0, 0, 0)):
                     raise BackendError(f"cannot add feature row {start + i} to the encoder batch ({idx})")
                 ll.llama_batch_ext_set_output_embd(self._batch, idx, True)
             self._process(ENCODE, f"encode {len(chunk)} rows")
@@ -73,7 +76,8 @@ class LlamaEagle3Head(LlamaHeadContext):
         return np.concatenate(out) if out else np.empty((0, self.n_embd), np.float32)
 
     def decode(self, tokens: Sequence[int], g: F32, rows: Literal["all", "last"] = "all") -> tuple[F32, F32]:
-        """The decoder on pairs (tokens[i], g[i]) at positions n_past+i (appended to the head's KV).
+        """The decoder on pairs (tokens[i], g[i]) at positions n_past+i (appended to the head's KV),
+        in batches of at most n_batch pairs (a prompt longer than n_batch is synced in several).
 
         Args:
             rows: outputs for every pair, or only the last (the LM head dominates the cost: measured
@@ -86,15 +90,19 @@ class LlamaEagle3Head(LlamaHeadContext):
         n = len(tokens)
         if g.shape != (n, self.n_embd):
             raise ValueError(f"g must be ({n}, {self.n_embd}) for {n} tokens (got {g.shape})")
-        if n > self.n_batch:
-            raise ValueError(f"at most {self.n_batch} pairs per decode (got {n})")
         if rows == "last" and n > 1:
             # 0.3.36's eagle3 graph selects no output rows: a batch whose only output is its last pair
             # gets the FIRST pair's logits and h (measured). Like common/speculative.cpp, run the
             # pairs before it without outputs, then the last alone.
-            self._run(tokens[:-1], g[:-1], outputs=False)
+            for start in range(0, n - 1, self.n_batch):
+                end = min(start + self.n_batch, n - 1)
+                self._run(tokens[start:end], g[start:end], outputs=False)
             return self._run(tokens[-1:], g[-1:], outputs=True)
-        return self._run(tokens, g, outputs=True)
+        if n <= self.n_batch:
+            return self._run(tokens, g, outputs=True)
+        parts = [self._run(tokens[s:s + self.n_batch], g[s:s + self.n_batch], outputs=True)
+                 for s in range(0, n, self.n_batch)]
+        return np.concatenate([z for z, _ in parts]), np.concatenate([h for _, h in parts])
 
     def _run(self, tokens: Sequence[int], g: F32, outputs: bool) -> tuple[F32, F32]:
         """One llama_process(DECODE) of the pairs, with outputs for all of them or none."""
