@@ -17,8 +17,7 @@ from edgespec.errors import EdgespecError
 from edgespec.schedule import CostModel, Scheduler
 from edgespec.schedule.acceptance import Calibration
 from edgespec.schedule.costs import K_MAX
-from edgespec.schedule.rate import best_gamma
-from edgespec.schedule.trees import TREE_MARGIN, SideHits, TreeScheduling, best_subtree, node_values, observe_nodes
+from edgespec.schedule.trees import TreeScheduling, best_subtree, node_values, observe_nodes
 from edgespec.tree import DraftTree
 from edgespec.tree_step import check_tree
 
@@ -56,34 +55,6 @@ def test_observe_nodes_calibrates_the_alternatives_whose_parent_was_reached():
     observe_nodes(cal, _tree(), [0, 1, 2], path=[3, 5])  # the walk left the chain at once: 3 then 5
     assert cal.tries.sum() == pytest.approx(2)  # 3 (root's child) and 5 (3's); 4's parent 0 was rejected
     assert cal.hits.sum() == pytest.approx(2)
-
-
-def test_side_hits_count_the_target_token_among_the_chain_nodes_siblings():
-    side, t = SideHits(8), _tree()  # root's children: 0 (chain), 3; node 0's: 1 (chain), 4
-    side.observe(t, [10, 21, 7])  # chain right at depth 1, the target's token at depth 2 is node 4: rank 2
-    side.observe(t, [20, 22])  # the root's second child: rank 2 (its child is not judged: off the chain)
-    side.observe(t, [10, 11, 12, 5])  # the whole chain right, nothing drafted below it: no miss
-    side.observe(t, [99])  # a miss none of the alternatives holds
-    assert side.misses == 3 and side.rates()[2] == pytest.approx(2 / 4) and side.rates()[8] == pytest.approx(2 / 4)
-
-
-def test_side_hits_plan_a_tree_where_the_chain_alone_does_not_pay():
-    side = SideHits(K_MAX - 1)
-    side.hits[2:5], side.misses = 10, 39  # the target's token is each of ranks 2, 3, 4 a quarter of the misses
-    flat = [0.0, *([10.0 + 0.05 * k for k in range(1, K_MAX + 1)])]
-    t_draft = [0.0, *([1.5 * g for g in range(1, K_MAX)])]
-    survival = [0.1 ** d for d in range(1, 6)]  # a weak head: right 10% of the time
-    assert best_gamma(survival, t_draft, flat)[0] == 0  # as a chain it never pays
-    gamma, rate = side.plan(survival, t_draft, flat)
-    assert gamma == 1 and rate > 1 / flat[1]  # one level of 4 candidates: 1 + 0.1 + 0.75·0.9·... pays
-    assert rate == pytest.approx((1 + 0.1 + 0.75 * 0.9) / (1.5 + flat[1 + 4]) / (1 + TREE_MARGIN))
-    steep = [0.0, *([10.0 * k for k in range(1, K_MAX + 1)])]
-    assert side.plan(survival, t_draft, steep)[1] < 1 / steep[1]  # T(k) = k·T(1): no tree pays either
-    a = np.array([0.1, 0.9])
-    cost = CostModel({k: flat[k] for k in range(1, K_MAX + 1)}, draft_per_token_ms=1.5)
-    sums = np.cumsum(a[:, None] ** np.arange(16), axis=-1)
-    assert side.speedup(cost, a, sums, 15)[0] == pytest.approx(  # the same tree, without plan's margin
-        side.plan(survival, cost.t_draft(), cost.t_verify())[1] * cost.t_verify()[1] * (1 + TREE_MARGIN))
 
 
 def test_check_tree_takes_auto():

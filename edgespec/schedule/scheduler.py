@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -67,13 +66,10 @@ class Scheduler:
     _left: int | None = None  # tokens this generation may still emit (None: unknown)
     _plain_ms: float = 0.0  # plain-step time, less what probes lost ÷ (PROBE_SHARE × gain) (_probe)
     _probing: bool = False
-    _won: bool = False  # the latest probe won against plain steps (the next one need not wait)
     _drafted: int = 0  # tokens the latest draft computed (a block drafter: all rows asked for)
     _context: int = 0  # tokens in the target's cache at the latest draft() call
     _rollback: list[float] | None = None  # the cost model's T_rollback at the latest draft() call
     _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
-    widen: Any = None  # plans draft trees beside chains (schedule.trees.SideHits; set by TreeScheduling)
-    _wide: bool = False  # the latest plan() chose a tree's chain depth (widen) over every chain
 
     def __post_init__(self, prior: float | None) -> None:
         self.learned, self.tree_calibration = Learned(prior), Calibration()
@@ -81,11 +77,7 @@ class Scheduler:
     def expected_gain(self, baseline_ms: float | None = None) -> tuple[float, float]:
         """Learned.expected_gain of the cost model's speedup (over `baseline_ms` a token, if given)."""
         scale = 1.0 if baseline_ms is None else baseline_ms / self.cost.t_verify()[1]
-
-        def speedup(a: np.ndarray, sums: np.ndarray) -> np.ndarray:
-            g = self.cost.speedup(a, COSTLY_GAMMA, sums)
-            return (g if self.widen is None or self._sampled else np.maximum(g, self.widen.speedup(self.cost, a, sums, COSTLY_GAMMA))) * scale
-        return self.learned.expected_gain(speedup)
+        return self.learned.expected_gain(lambda a, sums: self.cost.speedup(a, COSTLY_GAMMA, sums) * scale)
 
     def plan(self, context: int, limit: int, extra_ms: float = 0.0, baseline_ms: float | None = None
              ) -> tuple[int, float]:
@@ -96,12 +88,8 @@ class Scheduler:
         t_draft, t_verify = self.cost.t_draft(), self.cost.t_verify(context)
         if extra_ms:
             t_draft = [0.0, *(t + extra_ms for t in t_draft[1:])]
-        s = self.survival(None, 0)[:self.longest(limit)]
-        gamma, rate = best_gamma(s, t_draft, t_verify, self.cost.t_rollback(context))
-        self._wide = False
-        if gamma == 0 and self.widen is not None and not self._sampled and (
-                wide := self.widen.plan(s, t_draft, t_verify))[1] > rate:
-            (gamma, rate), self._wide = wide, True  # no chain pays, a tree of that depth is expected to
+        gamma, rate = best_gamma(self.survival(None, 0)[:self.longest(limit)], t_draft, t_verify,
+                                 self.cost.t_rollback(context))
         if gamma and not self.cost.free and self._lag > 1 and self._left is not None:
             # a drafter that has yet to read the prompt starts only if the tokens left pay for it
             base = t_verify[1] if baseline_ms is None else min(baseline_ms, t_verify[1])
@@ -129,8 +117,7 @@ class Scheduler:
             s = self.survival(conf, len(conf))[:gamma]
             return cut(s, t_draft, t_verify, rows if block else len(conf), self._rollback)[0] < len(conf)
 
-        # a chain's stop rule cuts a planned tree's chain short of the depth its alternatives pay at
-        d = drafter.draft(context, rows, params, rng, stop=stop if gamma and not (self._probing or self._wide) else None)
+        d = drafter.draft(context, rows, params, rng, stop=stop if gamma and not self._probing else None)
         t1 = time.perf_counter()
         self._lag = 0
         if free:
@@ -171,13 +158,11 @@ class Scheduler:
         # what was drafted is paid for (a block: every row), however much of it was verified
         self.cost.observe_draft(max(g, self._drafted), t_draft * 1000, draft.synced, draft.copied)
         if self._probing and (share := PROBE_SHARE * self.expected_gain()[0]) > 0:
-            # a probe spends plain-step time by what it lost against plain steps; one that won spends
-            # none and lets the next probe run at once, so a pair whose probes keep winning keeps being tried
+            # a probe spends plain-step time by what it lost against plain steps (one that won: none)
             lost = (t_draft + t_verify) * 1000 - (accepted + 1) * self.cost.t_verify(context)[1]
             self._plain_ms = max(0.0, self._plain_ms - max(0.0, lost) / share)
-            self._won = lost < 0
         else:
-            self._plain_ms, self._won = 0.0, False
+            self._plain_ms = 0.0
         # a free drafter's drafts are all scored in shadow, verified part included
         self.learned.observe(g, accepted, draft.confidence, scored=not self.cost.free)
 
@@ -222,7 +207,7 @@ class Scheduler:
         s = self.survival(None, 0)
         loss = (t_draft[g] + t_verify[g + 1] + expected_rollback(s, g, self._rollback)
                 - (1.0 + sum(s[:g])) * t_verify[1] + catch_up)
-        return g if self._won or self._plain_ms * PROBE_SHARE * gain >= loss else 0
+        return g if self._plain_ms * PROBE_SHARE * gain >= loss else 0
 
 
 def check_num_draft(value: int | str) -> int | str:

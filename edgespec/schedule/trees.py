@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -87,73 +86,6 @@ def observe_nodes(calibration: Calibration, tree: DraftTree, chain: Sequence[int
             calibration.observe_one(_clip(tree.confidence[i]), i in accepted)
 
 
-class SideHits:
-    """What a drafter's alternatives are worth before it drafts (greedy decoding): at the first depth
-    where a drafted tree's chain node is not the target's token (its parent being on the target's
-    path), how often the target's token is that node's r-th sibling instead, learned from every tree
-    drafted and the tokens the target emitted after it, whether the chain or a tree was verified (both
-    show the target's token at that depth). r_k = (hits at ranks 2..k) ÷ (misses + 1).
-
-    A tree of chain depth γ with k − 1 siblings beside each chain node is expected to emit
-
-        1 + Σ_{d≤γ} S_d + r_k · Σ_{d≤γ} (S_{d−1} − S_d)      tokens for γ·k nodes,
-
-    (Σ_{d≤γ} (S_{d−1} − S_d) = 1 − S_γ: a miss somewhere on the chain), which `plan` and `speedup` weigh
-    as the Scheduler weighs chains: so a drafter whose chain does not
-    pay is still drafted, and its tree priced (TreeScheduling), where its alternatives pay."""
-
-    def __init__(self, max_nodes: int) -> None:
-        self.max_nodes, self.misses = max_nodes, 0
-        self.hits = np.zeros(max_nodes + 1)  # [r]: the target's token was the r-th child (r ≥ 2)
-
-    def observe(self, tree: DraftTree, emitted: Sequence[int]) -> None:
-        node = -1
-        for tok in emitted:
-            kids = tree.children(node)
-            if not kids:
-                return
-            rank = next((r for r, c in enumerate(kids, 1) if tree.tokens[c] == tok), 0)
-            if rank != 1:
-                self.misses += 1
-                if 1 < rank <= self.max_nodes:
-                    self.hits[rank] += 1
-                return
-            node = kids[0]
-
-    def rates(self) -> np.ndarray:
-        """r_k for k = 0..max_nodes (r_0 = r_1 = 0)."""
-        return np.cumsum(self.hits) / (self.misses + 1)
-
-    def _shapes(self, longest: int) -> list[tuple[int, int]]:
-        """(k, γ) of the trees worth pricing: k ≥ 2 where some rank ≤ k was hit, γ·k ≤ max_nodes."""
-        r = self.rates()
-        return [(k, g) for k in range(2, self.max_nodes + 1) if r[k] > r[k - 1]
-                for g in range(1, min(longest, self.max_nodes // k) + 1)]
-
-    def plan(self, survival: Sequence[float], t_draft: Sequence[float], t_verify: Sequence[float]
-             ) -> tuple[int, float]:
-        """The chain depth γ of the best tree by the expected tokens above, and its rate less TREE_MARGIN
-        (0: none), as a drafted tree must beat its chain by TREE_MARGIN."""
-        r, s, best = self.rates(), [1.0, *survival], (0, 0.0)
-        for k, g in self._shapes(len(survival)):
-            if g * k + 1 < len(t_verify):
-                tokens = 1.0 + sum(s[1:g + 1]) + r[k] * (1.0 - s[g])  # Σ_{d≤γ} (S_{d−1} − S_d) = 1 − S_γ
-                best = max(best, (g, tokens / (t_draft[g] + t_verify[g * k + 1])), key=lambda b: b[1])
-        return best[0], best[1] / (1.0 + TREE_MARGIN)
-
-    def speedup(self, cost: Any, a: np.ndarray, sums: np.ndarray, longest: int) -> np.ndarray:
-        """CostModel.speedup for trees: the best tree's speedup at each per-position acceptance a
-        (S_d = a^d, `sums` their token_sums). Without `plan`'s margin: this prices what probing may
-        learn (the Scheduler's expected gain), where `plan` bets a cycle on it."""
-        t_draft, t_verify, r = cost.t_draft(), cost.t_verify(), self.rates()
-        out = np.zeros(np.shape(a))
-        for k, g in self._shapes(longest):
-            if g * k + 1 < len(t_verify):
-                tokens = sums[..., g] + r[k] * (1.0 - a ** g)
-                out = np.maximum(out, tokens / (t_draft[g] + t_verify[g * k + 1]))
-        return out * t_verify[1]
-
-
 def _clip(c: float) -> float:
     return min(1.0, max(0.0, float(c)))
 
@@ -193,8 +125,6 @@ class TreeScheduling:
     def __init__(self, sched: Scheduler, max_nodes: int) -> None:
         self.sched, self.max_nodes = sched, max_nodes
         self._chain = Draft([])  # the latest tree's chain, as drafted
-        self._shadow: DraftTree | None = None  # the latest tree drafted for greedy decoding
-        sched.widen = self.side = SideHits(max_nodes)
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
         self.sched.new_generation(n_prompt, max_tokens)
@@ -204,7 +134,6 @@ class TreeScheduling:
         sched, drafting = self.sched, TreeDrafting(drafter, self.max_nodes)
         d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
         tree, self._chain = drafting.tree, drafting.chain
-        self._shadow = tree if params.greedy else None
         if tree is None or not tree.n_nodes or dec.probe or (tree.q is not None and not params.greedy):
             return d, dec
         t0 = time.perf_counter()
@@ -239,7 +168,4 @@ class TreeScheduling:
                            verified=tree.n_nodes + 1)
 
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None:
-        if self._shadow is not None:
-            self.side.observe(self._shadow, tokens)
-            self._shadow = None
         self.sched.emitted(tokens, probs)
