@@ -43,6 +43,10 @@ multiplies along paths, schedule.trees), carried along.
     q: npt.NDArray[np.float64] | None = None
     confidence: list[float] | None = None
     chain_draft: Any = None  # the chain Draft (drafters.base) the drafter drew first, if any: its cost fields
+    # the chain of first children was drawn whole first, then every other node, a leaf beside a chain
+    # node, each position's siblings in draw order (drafters.tree_draft.side_tree): a sampled tree
+    # like this may be cut to a prefix of each position's siblings by a rule that reads only the chain
+    side_leaves: bool = False
     depth: list[int] = field(init=False, repr=False)  # root's children: 1
     _children: list[list[int]] = field(init=False, repr=False)  # index 0: the root's, i+1: node i's
 

@@ -40,7 +40,7 @@ def conditional(tree: DraftTree, dists: Sequence[F64]) -> DraftTree:
     """`tree` (a chain and its side leaves: the node at depth d was drawn or ranked from dists[d−1])
     with each node's conditional probability as its confidence."""
     conf = [float(dists[d - 1][t]) for t, d in zip(tree.tokens, tree.depth)]
-    return DraftTree(tree.tokens, tree.parents, tree.q, conf)
+    return DraftTree(tree.tokens, tree.parents, tree.q, conf, side_leaves=tree.side_leaves)
 
 
 def block_tree(tokens: Sequence[int], dists: Sequence[F64], max_nodes: int, q: F64 | None,

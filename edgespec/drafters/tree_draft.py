@@ -57,7 +57,7 @@ def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], m
     room = max_nodes - len(tokens)
     if room <= 0 or d == 0:
         return DraftTree(tokens, parents, None if q is None else q[:len(tokens)],
-                         None if confidence is None else list(confidence[:len(tokens)]))
+                         None if confidence is None else list(confidence[:len(tokens)]), side_leaves=True)
     reach = np.cumprod([1.0, *(float(dists[i][tokens[i]]) for i in range(d - 1))])
     if q is None:  # greedy: the alternatives themselves are ranked (deterministic: nothing to bias)
         cands = [(reach[i] * float(dists[i][y]), i, y) for i in range(d)
@@ -88,4 +88,4 @@ def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], m
                 rows.append(q[i])
             if conf is not None:
                 conf.append(float(dists[i][y]))
-    return DraftTree(tokens, parents, None if rows is None else np.stack(rows), conf)
+    return DraftTree(tokens, parents, None if rows is None else np.stack(rows), conf, side_leaves=True)

@@ -68,6 +68,27 @@ class Calibration:
         self.tries[b] = self.decay * self.tries[b] + 1
 
 
+class SiblingRates:
+    """h_j = P(the j-th sibling drawn beside a sampled chain token is accepted | that token and the j − 1
+    siblings drawn before it were rejected), j = 1, 2, …: decayed counts per rank (the last rank
+    pools the deeper ones) with a prior worth `strength` of them (schedule.trees prices sampled side
+    trees with it)."""
+
+    def __init__(self, strength: float = 4.0, decay: float = 0.98) -> None:
+        self.hits, self.tries = np.zeros(K_MAX), np.zeros(K_MAX)
+        self.strength, self.decay = strength, decay
+
+    def __call__(self, j: int, prior: float) -> float:
+        """h_j, starting from `prior` while rank j has few outcomes."""
+        b = min(j, K_MAX) - 1
+        return (self.hits[b] + self.strength * prior) / (self.tries[b] + self.strength)
+
+    def observe(self, j: int, ok: bool) -> None:
+        b = min(j, K_MAX) - 1
+        self.hits[b] = self.decay * self.hits[b] + ok
+        self.tries[b] = self.decay * self.tries[b] + 1
+
+
 class Shadows:
     """Drafts that were not verified (a free drafter's, at plain steps), each scored against the
     tokens the target emits as verification would have judged it. A draft leaves at its first miss or

@@ -37,7 +37,7 @@ import numpy as np
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.schedule.acceptance import Acceptance, Calibration, Learned
+from edgespec.schedule.acceptance import Acceptance, Calibration, Learned, SiblingRates
 from edgespec.schedule.costs import K_MAX, CostModel, RobustTime
 from edgespec.schedule.rate import Decision, best_gamma, cut, expected_rollback
 
@@ -61,6 +61,7 @@ class Scheduler:
     prior: InitVar[float | None] = None  # acceptance this (target, drafter) pair showed before (None: never seen)
     learned: Learned = field(init=False)
     tree_calibration: Calibration = field(init=False)  # of tree nodes beside the chain (schedule.trees)
+    tree_siblings: SiblingRates = field(init=False)  # of sampled side trees' siblings (schedule.trees)
     _support: int | None = None  # the latest draft's match length (n-gram, history; None: not reported)
     _lag: int = 0  # context tokens a costly drafter has not seen yet
     _left: int | None = None  # tokens this generation may still emit (None: unknown)
@@ -72,7 +73,7 @@ class Scheduler:
     _sampled: bool = False  # the latest draft() was for sampled decoding (its confidence is max q)
 
     def __post_init__(self, prior: float | None) -> None:
-        self.learned, self.tree_calibration = Learned(prior), Calibration()
+        self.learned, self.tree_calibration, self.tree_siblings = Learned(prior), Calibration(), SiblingRates()
 
     def expected_gain(self, baseline_ms: float | None = None) -> tuple[float, float]:
         """Learned.expected_gain of the cost model's speedup (over `baseline_ms` a token, if given)."""

@@ -23,9 +23,24 @@ rate beats the chain's planned rate by TREE_MARGIN and it holds more than the ch
 (the Scheduler trying a drafter it does not expect to win) stays a chain: it is there to measure the
 chain's acceptance, and a tree's dearer verification would spend the probing budget faster.
 
-Trees are priced only for drafts that may be cut after they are made: greedy decoding, or
-deterministic drafts (q None). A sampled draft's own tokens must not decide what is verified (the
-choice would bias the output: drafters.tree_draft), so sampled drafts with q rows verify chains.
+Greedy decoding and deterministic drafts (q None) may be cut after they are made, as above. A
+sampled draft's own tokens must not decide what is verified (the choice would bias the output:
+drafters.tree_draft), so a sampled tree is priced only when it is a side tree (`DraftTree.side_leaves`:
+the draft model's and the block heads' trees: the chain drawn whole first, then beside each chain
+token its siblings, leaves, drawn without replacement from the same row), and cut by a rule that
+reads only the chain: how many siblings each position got (fixed by the chain when they were drawn)
+and the chain's survival. The j-th sibling at depth d is worth
+
+    v = S_{d−1} · (1 − a_d) · (1 − h_1) ··· (1 − h_{j−1}) · h_j,
+
+a_d = S_d / S_{d−1} the chain token's own chance there and h_j (schedule.acceptance.SiblingRates)
+the chance the j-th sibling is accepted once the chain token and the siblings before it were
+rejected (recursive rejection sampling tries them in draw order), learned from the sampled side trees
+verified, starting from a_d. The siblings are added a position's next one at a time, the most
+valuable first, so every position keeps a prefix of what was drawn there, and the tree is verified
+as above when one of its sizes beats the chain by TREE_MARGIN. Which siblings are kept never depends
+on the siblings' own tokens, so recursive rejection sampling over the kept ones stays lossless
+(tree.verify_tree_stochastic). Other sampled trees (EAGLE-3's dynamic tree, Medusa's) verify chains.
 """
 
 from __future__ import annotations
@@ -38,7 +53,7 @@ import numpy as np
 
 from edgespec.drafters.base import Draft, Drafter
 from edgespec.sampling import Dist, SamplingParams
-from edgespec.schedule.acceptance import Calibration
+from edgespec.schedule.acceptance import Calibration, SiblingRates
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import Scheduler
 from edgespec.tree import DraftTree
@@ -86,6 +101,57 @@ def observe_nodes(calibration: Calibration, tree: DraftTree, chain: Sequence[int
             calibration.observe_one(_clip(tree.confidence[i]), i in accepted)
 
 
+def siblings_beside(tree: DraftTree, chain: Sequence[int]) -> list[list[int]]:
+    """Per chain position d (0-based), the other children of its parent: the siblings drawn beside
+    chain node d, in the order they were drawn (index order)."""
+    return [[c for c in tree.children(chain[d - 1] if d else -1) if c != chain[d]] for d in range(len(chain))]
+
+
+def best_sides(counts: Sequence[int], survival: Sequence[float], rates: SiblingRates, draft_ms: float,
+               t_verify: Sequence[float]) -> tuple[list[tuple[int, int]], float, float]:
+    """A sampled side tree's best size (module docstring): its siblings as (position, rank), a prefix
+    of the counts[d] drawn at each position, its expected tokens and ms. Reads the chain's survival
+    and the counts only, never the siblings drawn."""
+    n, values = len(counts), []
+    for d in range(n):
+        reach = survival[d - 1] if d else 1.0
+        a = survival[d] / reach if reach > 0 else 0.0
+        miss, row = reach * (1.0 - a), []
+        for j in range(1, counts[d] + 1):
+            h = rates(j, a)
+            row.append(miss * h)
+            miss *= 1.0 - h
+        values.append(row)
+    order, nxt = [], [0] * n
+    while len(order) < len(t_verify) - 2 - n:
+        d = max(range(n), key=lambda i: values[i][nxt[i]] if nxt[i] < counts[i] else -1.0, default=None)
+        if d is None or nxt[d] >= counts[d]:
+            break
+        order.append((d, nxt[d] + 1, values[d][nxt[d]]))
+        nxt[d] += 1
+    tokens = best_tokens = 1.0 + sum(survival[:n])
+    best, best_ms = 0, draft_ms + t_verify[n + 1]
+    for m, (_, _, v) in enumerate(order, 1):
+        tokens += v
+        if tokens / (draft_ms + t_verify[n + m + 1]) > best_tokens / best_ms:
+            best, best_tokens, best_ms = m, tokens, draft_ms + t_verify[n + m + 1]
+    return [(d, j) for d, j, _ in order[:best]], best_tokens, best_ms
+
+
+def observe_siblings(rates: SiblingRates, tree: DraftTree, chain: Sequence[int], path: Sequence[int]) -> None:
+    """Learn h_j from a verified sampled side tree: at the position where the walk left the chain, the
+    siblings tried in order, up to the one accepted (if any)."""
+    for d, sibs in enumerate(siblings_beside(tree, chain)):
+        took = path[d] if len(path) > d else None
+        if took == chain[d]:
+            continue
+        for j, s in enumerate(sibs, 1):
+            rates.observe(j, s == took)
+            if s == took:
+                break
+        return
+
+
 def _clip(c: float) -> float:
     return min(1.0, max(0.0, float(c)))
 
@@ -125,6 +191,7 @@ class TreeScheduling:
     def __init__(self, sched: Scheduler, max_nodes: int) -> None:
         self.sched, self.max_nodes = sched, max_nodes
         self._chain = Draft([])  # the latest tree's chain, as drafted
+        self._sampled = False  # the latest tree was sampled (q rows): its siblings teach SiblingRates
 
     def new_generation(self, n_prompt: int, max_tokens: int | None = None) -> None:
         self.sched.new_generation(n_prompt, max_tokens)
@@ -134,14 +201,22 @@ class TreeScheduling:
         sched, drafting = self.sched, TreeDrafting(drafter, self.max_nodes)
         d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
         tree, self._chain = drafting.tree, drafting.chain
-        if tree is None or not tree.n_nodes or dec.probe or (tree.q is not None and not params.greedy):
+        self._sampled = tree is not None and tree.q is not None and not params.greedy
+        if tree is None or not tree.n_nodes or dec.probe or (self._sampled and not tree.side_leaves):
             return d, dec
         t0 = time.perf_counter()
         chain, conf = tree.first_chain(), self._chain.confidence
         survival = sched.survival(conf, len(chain) if conf is not None else 0)
-        values = node_values(tree, chain, survival, sched.tree_calibration, sched.longest(limit),
-                             1.0 if conf is not None else sched.survival(None, 0)[0])
-        keep, tokens, ms = best_subtree(values, dec.draft_ms, sched.cost.t_verify(len(context) - 1))
+        t_verify = sched.cost.t_verify(len(context) - 1)
+        if self._sampled:  # the chain as drafted (a sampled chain is not cut), a prefix of siblings beside it
+            sibs = siblings_beside(tree, chain)
+            sides, tokens, ms = best_sides([len(s) for s in sibs], survival[:len(chain)], sched.tree_siblings,
+                                           dec.draft_ms, t_verify)
+            keep = [*chain, *(sibs[p][j - 1] for p, j in sides)]
+        else:
+            values = node_values(tree, chain, survival, sched.tree_calibration, sched.longest(limit),
+                                 1.0 if conf is not None else sched.survival(None, 0)[0])
+            keep, tokens, ms = best_subtree(values, dec.draft_ms, t_verify)
         rate = dec.tokens / dec.ms if dec.ms > 0 else 0.0
         if len(keep) > len(d.tokens) and set(keep) - set(chain) and tokens / ms > rate * (1.0 + TREE_MARGIN):
             sub = tree.subtree(keep)
@@ -161,7 +236,10 @@ class TreeScheduling:
         on_chain = 0
         while on_chain < len(path) and on_chain < len(chain) and path[on_chain] == chain[on_chain]:
             on_chain += 1
-        observe_nodes(self.sched.tree_calibration, tree, chain, path)
+        if self._sampled:
+            observe_siblings(self.sched.tree_siblings, tree, chain, path)
+        else:
+            observe_nodes(self.sched.tree_calibration, tree, chain, path)
         d = self._chain  # the verified chain is a prefix of it
         self.sched.observe(Draft(d.tokens[:len(chain)], None, None if d.confidence is None else d.confidence[:len(chain)],
                                  synced=d.synced, copied=d.copied), on_chain, t_draft, t_verify, context,
