@@ -192,6 +192,20 @@ def test_generate_reads_stdin_and_applies_chat_template(fake: FakeEngine) -> Non
     assert kw["speculative"] is False
 
 
+def test_generate_hints_at_chat_when_a_chat_model_ends_at_once(fake: FakeEngine) -> None:
+    """An empty reply (end of text first) from a model with a chat template, prompted raw: one hint line."""
+    def empty(call: int) -> Iterator[Chunk]:
+        fake.last_stats = Stats(n_prompt=3)
+        yield Chunk("", [], [], "eos")
+
+    fake._reply = empty  # type: ignore[method-assign]
+    fake.target = SimpleNamespace(path="fake.gguf", metadata=lambda key: "{{ messages }}")
+    result = runner.invoke(cli.app, ["generate", "-p", "Write a story."])
+    assert result.exit_code == 0, result.output
+    assert _lines(result.stderr)[-1] == "the model ended its reply at once: a chat model may need --chat (its template)"
+    assert "--chat" not in runner.invoke(cli.app, ["generate", "--chat", "-p", "Write a story."]).stderr
+
+
 def test_generate_ctrl_c_stops_the_reply(fake: FakeEngine) -> None:
     fake.interrupt_calls = (0,)
     result = runner.invoke(cli.app, ["generate", "-p", "hi"])

@@ -157,6 +157,9 @@ def generate(
             ui.interrupted()
         if engine.last_stats is not None:
             ui.print_stats(engine.last_stats, speculative=_speculative(engine, opts), verbose=opts.verbose)
+            if not engine.last_stats.n_tokens and reason == "eos" and not chat \
+                    and engine.target.metadata("tokenizer.chat_template") is not None:
+                ui.status("the model ended its reply at once: a chat model may need --chat (its template)")
         _finish_timing(engine)
     if reason == "cancelled":
         raise typer.Exit(130)
