@@ -227,3 +227,23 @@ def test_sampled_auto_side_trees_match_the_target_distribution():
         obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     assert observed.sum() == draws and len(obs) >= 10 and chisquare(obs, exp).pvalue > 1e-3
     assert seen["cut"] > 0.1 * draws and seen["off"] > 0.01 * draws, seen  # siblings cut, and accepted
+
+
+def test_sampled_drafters_without_side_trees_draft_chains():
+    """Sampled, a drafter whose trees cannot be cut by the chain (no `sampled_trees`: EAGLE-3, Medusa) is
+    asked for chains, not for trees it would drop; greedy, for trees."""
+    class NoSideTrees(DraftModelDrafter):
+        sampled_trees = False
+        trees = 0
+
+        def draft_tree(self, *args, **kw):
+            NoSideTrees.trees += 1
+            return super().draft_tree(*args, **kw)
+
+    target = ReferenceBackend(6, seed=5)
+    engine = Engine(target, NoSideTrees(target.perturbed(1.2), target.n_vocab), num_draft="auto", tree="auto")
+    sched = TreeScheduling(_scheduler(FLAT, DraftCost(0.5, 1.0)), 16)
+    sampled = engine.generate(PROMPTS[0], max_tokens=32, temperature=0.8, seed=1, scheduler=sched)
+    assert NoSideTrees.trees == 0 and sampled.stats.n_drafted > 0 and sampled.stats.tree_cycles == 0
+    engine.generate(PROMPTS[0], max_tokens=32, scheduler=sched)
+    assert NoSideTrees.trees > 0

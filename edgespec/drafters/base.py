@@ -151,6 +151,13 @@ def can_draft_trees(drafter: Drafter | None) -> bool:
     return callable(getattr(drafter, "draft_tree", None))
 
 
+def prices_sampled_trees(drafter: Drafter | None) -> bool:
+    """Whether `--tree auto` may cut this drafter's SAMPLED trees (schedule.trees): they are side trees
+    (DraftTree.side_leaves) or deterministic (q None). Other drafters' sampled trees would be drafted
+    only to be dropped, so they draft chains then (the class attribute `sampled_trees`)."""
+    return can_draft_trees(drafter) and bool(getattr(drafter, "sampled_trees", False))
+
+
 @dataclass(frozen=True)
 class DraftCost:
     """What drafting γ tokens costs: fixed_ms + γ·per_token_ms (γ > 0). A block drafter (`block`)

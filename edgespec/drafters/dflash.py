@@ -68,6 +68,7 @@ class DFlashDrafter(HeadDrafter):
 
     name = "dflash"
     head: DFlashRunner
+    sampled_trees = True  # block_tree: side trees (drafters.base.prices_sampled_trees)
 
     def sync(self, context: Sequence[int]) -> None:
         """Bring the head's context cache to the features of `context` minus its last token."""

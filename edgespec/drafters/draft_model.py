@@ -76,6 +76,7 @@ class DraftModelDrafter:
     """
 
     name = "draft-model"
+    sampled_trees = True  # side_tree: side trees (drafters.base.prices_sampled_trees)
 
     def __init__(self, model: Backend, n_vocab_target: int, handoff: KvHandoff | None = None) -> None:
         self.model = model

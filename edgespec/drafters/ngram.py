@@ -25,6 +25,7 @@ class NgramDrafter:
 
     name = "ngram"
     paths: tuple[str, ...] = ()  # no model: drafting costs next to nothing
+    sampled_trees = True  # deterministic trees (q None) at any temperature (drafters.base.prices_sampled_trees)
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         if not 1 <= n_min <= n_max:

@@ -40,7 +40,9 @@ verified, starting from a_d. The siblings are added a position's next one at a t
 valuable first, so every position keeps a prefix of what was drawn there, and the tree is verified
 as above when one of its sizes beats the chain by TREE_MARGIN. Which siblings are kept never depends
 on the siblings' own tokens, so recursive rejection sampling over the kept ones stays lossless
-(tree.verify_tree_stochastic). Other sampled trees (EAGLE-3's dynamic tree, Medusa's) verify chains.
+(tree.verify_tree_stochastic). Drafters whose sampled trees are not side trees (EAGLE-3's dynamic
+tree, Medusa's candidates) draft chains when sampled (drafters.base.prices_sampled_trees): their
+trees would be drafted only to be dropped.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from edgespec.drafters.base import Draft, Drafter
+from edgespec.drafters.base import Draft, Drafter, prices_sampled_trees
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.schedule.acceptance import Calibration, SiblingRates
 from edgespec.schedule.rate import Decision
@@ -199,6 +201,9 @@ class TreeScheduling:
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator, baseline_ms: float | None = None) -> tuple[Draft, Decision]:
         sched, drafting = self.sched, TreeDrafting(drafter, self.max_nodes)
+        if not params.greedy and not prices_sampled_trees(drafter):  # its sampled trees are never cut: a chain
+            self._chain, self._sampled = Draft([]), False
+            return sched.draft(drafter, context, limit, params, rng, baseline_ms)
         d, dec = sched.draft(drafting, context, limit, params, rng, baseline_ms)
         tree, self._chain = drafting.tree, drafting.chain
         self._sampled = tree is not None and tree.q is not None and not params.greedy
