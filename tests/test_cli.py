@@ -87,6 +87,9 @@ def test_missing_model_file(tmp_path: Path) -> None:
     (["--top-k", "-2"], "top_k"),
     (["-k", "-1"], "--num-draft"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--tree", "8", "-k", "auto"], "forced draft trees"),
+    (["--tree", "auto", "-k", "4"], "--tree auto prices trees under -k auto"),
+    (["--tree", "wide"], "--tree must be"),
 ])
 @pytest.mark.parametrize("command", ["generate", "chat", "demo"])
 def test_invalid_sampling_flags(command: str, args: list[str], needle: str, tmp_path: Path) -> None:

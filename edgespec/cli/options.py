@@ -60,7 +60,9 @@ class RunOptions:
             check_tree(self.tree)
         except EdgespecError as e:
             raise EdgespecError(f"--{e}") from None
-        check_tree(self.tree, self.gamma)
+        if check_tree(self.tree, self.gamma) == "auto" and self.gamma != "auto":
+            raise EdgespecError(f"--tree auto prices trees under -k auto; with a fixed -k {self.gamma} use --tree N "
+                                "(trees of up to N nodes every cycle)")
         for flag, value, low in (("--max-tokens", self.max_tokens, 1),
                                  ("--ctx", self.ctx, 16), ("--threads", self.threads, 1)):
             if value is not None and value < low:
@@ -109,7 +111,7 @@ _FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "num_draft": (("--num-draft", "-k"), "γ: draft tokens per cycle, or 'auto': chosen each cycle from measured "
                                          "costs and acceptance (0 = plain steps when speculation would lose)."),
     "tree": (("--tree",), "Draft trees: 'off'; 'auto': under -k auto each cycle verifies a tree or the chain, whichever "
-                          "is priced faster (greedy, or n-gram drafts); or N: every cycle verifies a tree of up to N "
+                          "is priced faster (sampled: only draft models', DFlash/DSpark heads' and n-gram trees); or N: every cycle verifies a tree of up to N "
                           "nodes and depth γ in one forward (needs a fixed -k). Drafters with trees: draft models, "
                           "n-gram, Medusa, EAGLE-3/DFlash/DSpark heads."),
     "temp": (("--temp",), "Temperature (0 = greedy)."),
