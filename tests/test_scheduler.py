@@ -482,3 +482,16 @@ def test_only_a_free_drafters_copies_are_verified_beyond_costly_gamma(draft_ms):
     gammas = _simulate(sched, _ScriptedDrafter(token=0, support=16 if draft_ms == 0 else None), t, draft_ms,
                        cycles=40)
     assert max(gammas) == (K_MAX - 1 if draft_ms == 0 else COSTLY_GAMMA)
+
+
+def test_survival_keeps_every_position_when_given_fewer_confidences_than_asked():
+    """Confidences for the first positions only: those are calibrated, the rest keep the learned
+    rates at their own positions (the list once shrank, shifting every later position)."""
+    from edgespec.schedule.acceptance import Learned
+
+    learned = Learned(0.5)
+    rates = learned.survival(None, 0, sampled=False)
+    short = learned.survival([0.9, 0.8], 4, sampled=False)
+    assert len(short) == len(rates) == K_MAX
+    assert short == learned.survival([0.9, 0.8], 2, sampled=False)
+    assert short[2] / short[1] == pytest.approx(rates[2] / rates[1])  # position 3: its learned rate

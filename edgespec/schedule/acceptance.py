@@ -213,7 +213,8 @@ class Learned:
         rates after (the first capped by the recent hit rate)."""
         a = list(self.acceptance.rates)
         a[0] = min(a[0], self.recent)
-        if confidence is not None:
+        if confidence is not None:  # the first n, or as many as there are (the rest: learned rates)
+            n = min(n, len(confidence))
             a[:n] = [self.calibration(c, a[i] if sampled else None) for i, c in enumerate(confidence[:n])]
         return list(accumulate(a, operator.mul))
 
