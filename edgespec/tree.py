@@ -195,7 +195,7 @@ def _choose(p: Dist, tree: DraftTree, kids: list[int], rng: np.random.Generator)
     r: npt.NDArray[np.float64] | None = None  # the residual, dense, once a rejection changed p
     for j, c in enumerate(kids):
         x = tree.tokens[c]
-        q_j = None if tree.q is None else _without(tree.q[c], [tree.tokens[s] for s in kids[:j]])
+        q_j = None if tree.q is None else without(tree.q[c], [tree.tokens[s] for s in kids[:j]])
         q_x = 1.0 if q_j is None else float(q_j[x])
         if q_x > 0.0 and rng.random() * q_x < (p[x] if r is None else r[x]):
             return c, x
@@ -219,7 +219,7 @@ def _check_rows(logits: npt.NDArray[np.floating], tree: DraftTree) -> None:
                          f"(got {len(logits)})")
 
 
-def _without(q_row: npt.NDArray[np.float64], removed: list[int]) -> npt.NDArray[np.float64]:
+def without(q_row: npt.NDArray[np.float64], removed: list[int]) -> npt.NDArray[np.float64]:
     """q_row with the `removed` tokens (earlier siblings) zeroed, renormalised; q_row itself when none are."""
     if not removed:
         return q_row

@@ -110,6 +110,49 @@ def test_recorder_drafts_with_its_own_rng():
     assert isinstance(Recorder([engine.drafter], [5]).rngs[0], np.random.Generator)
 
 
+def test_root_chances_are_recursive_rejection_samplings():
+    """root_chances: each root child's chance of acceptance given the earlier ones were rejected, as
+    tree.verify_tree_stochastic accepts them (the frequencies of 40k walks, within 4 standard errors)."""
+    from edgespec.bench.record import root_chances
+    from edgespec.sampling import Dist
+    from edgespec.tree import DraftTree, verify_tree_stochastic
+
+    p = np.array([0.35, 0.3, 0.2, 0.1, 0.05])
+    q = np.array([0.1, 0.4, 0.3, 0.15, 0.05])
+    tree = DraftTree([1, 2, 0], [-1, -1, -1], np.stack([q] * 3))  # drawn in this order, without replacement
+    chances = root_chances(Dist(len(p), None, p), tree)
+    assert chances[0] == pytest.approx(min(1.0, p[1] / q[1]))
+    rng, params, tried, took = np.random.default_rng(0), SamplingParams(1.0), np.zeros(3), np.zeros(3)
+    logits = np.log(np.stack([p] * 4))
+    for _ in range(40_000):
+        path, _ = verify_tree_stochastic(logits, tree, params, rng)
+        j = path[0] if path else 3
+        tried[:min(j + 1, 3)] += 1
+        if j < 3:
+            took[j] += 1
+    freq = took / tried
+    assert np.all(np.abs(freq - chances) <= 4 * np.sqrt(np.maximum(freq * (1 - freq), 1e-4) / tried)), (freq, chances)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_trees_are_recorded_greedy_and_sampled_side_trees_with_their_chances(temperature):
+    """--tree-nodes: the draft model's tree at every position (its chain is the draft); sampled, with each
+    root child's chance (and n-gram's trees, which are not side trees, left out)."""
+    engine, target = _engine()
+    drafters = [NgramDrafter(), DraftModelDrafter(target.perturbed(0.8), target.n_vocab)]
+    ngram, model = record_tasks(engine, drafters, _tasks(24)[:2], temperature, [31, 4], seed=2, tree_nodes=8)
+    for t, m in zip(ngram, model):
+        assert m.trees is not None and len(m.trees) == len(m.output)
+        assert all(tokens[:len(d)] == d for (tokens, _, _), d in zip(m.trees, m.drafts))
+        if temperature == 0:
+            assert t.trees is not None and m.tree_accept is None
+        else:
+            assert t.trees is None and t.tree_accept is None and m.tree_accept is not None
+            assert all(len(a) == sum(par == -1 for par in parents) and all(0 <= x <= 1 for x in a)
+                       for a, (_, parents, _) in zip(m.tree_accept, m.trees))
+    assert temperature == 0 or any(len(a) > 1 for m in model for a in m.tree_accept)
+
+
 def test_fit_cost_and_file_names():
     t = Trace("a", "c", 3, [1, 2, 3, 4], False, 4, [[9], [1, 2], [], [1, 2, 3]], draft_ms=[50.0, 3.0, 0.5, 4.0])
     fixed, per_token = fit_cost([t], None)  # the first draft (it read the prompt) is left out

@@ -43,8 +43,8 @@ def _set() -> TraceSet:
                     [_trace()])
 
 
-def _device(name: str, t: list[float]) -> Device:
-    return Device(name, "test", tuple([0.0, *t]), {"head": (0.0, 0.01)})
+def _device(name: str, t: list[float], kind: str = "head") -> Device:
+    return Device(name, "test", tuple([0.0, *t]), {kind: (0.0, 0.01)})
 
 
 FLAT = _device("flat", [10.0 + 0.05 * k for k in range(32)])
@@ -71,4 +71,31 @@ def test_tree_auto_takes_trees_where_they_pay():
     assert flat["tree-auto"] > 1.2 * flat["chain"], flat
     assert flat["tree-auto"] >= 0.98 * max(flat["chain"], flat["best-tree"]), flat
     steep = cells({"steep": {"s": replay_trees(_set(), STEEP)}})[0][3]
+    assert steep["tree-auto"] >= 0.98 * max(steep["chain"], steep["best-tree"]), steep
+
+
+def _sampled_set(n: int = 200) -> TraceSet:
+    """T 0.7: every position's chain token passes half the time, and when it does not, the siblings
+    recorded beside it pass with chances 0.6 then 0.5 (tree_accept); the chain's token had q 0.4."""
+    rng = np.random.default_rng(1)
+    out = [int(t) for t in rng.integers(10, 1000, size=n)]
+    drafts = [[7, 8, 9][: n - p] for p in range(n)]
+    trees = [[[*d, 5, 6], [*range(-1, len(d) - 1), -1, -1], [0.4] * (len(d) + 2)] for d in drafts]
+    trace = Trace("t-01", "cat", 10, out, False, n, drafts, [[0.5] * len(d) for d in drafts], None, [0.5] * n,
+                  None, trees, [[0.5, 0.6, 0.5]] * n)
+    return TraceSet("target.gguf", "draft.gguf", "model", 0.7, 3, {1: 10.0}, 0.0, 0.0, "cpu", "abc", "2026-12-07",
+                    [trace])
+
+
+def test_sampled_side_trees_replay_their_recorded_chances():
+    ts = _sampled_set()
+    task, c = prepare(ts.traces[0], 0.7), Costs(_device("flat", [10.0 + 0.05 * k for k in range(32)], "model"), "model")
+    chain_only = run_tree_fixed(task, c, 3, 3)
+    tree = run_tree_fixed(task, c, 3, 9)
+    assert abs(chain_only.tokens / chain_only.cycles - 1.875) < 0.2  # 1 + 0.5 + 0.25 + 0.125
+    # a miss at depth i is saved by a sibling with chance 0.6 + 0.4 · 0.5 = 0.8 where it has two
+    assert tree.tokens / tree.cycles > 1.25 * chain_only.tokens / chain_only.cycles
+    flat = cells({"flat": {"s": replay_trees(ts, _device("flat", [10.0 + 0.05 * k for k in range(32)], "model"))}})[0][3]
+    assert flat["tree-auto"] > 1.1 * flat["chain"] and flat["tree-auto"] >= 0.98 * flat["best-tree"], flat
+    steep = cells({"steep": {"s": replay_trees(ts, _device("steep", [10.0 * (k + 1) for k in range(32)], "model"))}})[0][3]
     assert steep["tree-auto"] >= 0.98 * max(steep["chain"], steep["best-tree"]), steep

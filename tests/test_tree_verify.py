@@ -274,7 +274,7 @@ def test_the_check_catches_siblings_q_not_renormalised(monkeypatch):
         out[removed] = 0.0
         return out
 
-    monkeypatch.setattr(tree_mod, "_without", zeroed_only)
+    monkeypatch.setattr(tree_mod, "without", zeroed_only)
     oracle = _Oracle(6, SamplingParams(1.0), eps=1.5)
     counts, exact = _first_two(oracle, (3, 2), True, DRAWS // 4, seed=7)  # a quarter of the draws suffices
     pvalue, tv, bound = _fit(counts, exact)

@@ -10,6 +10,9 @@ so the engine takes a plain step: the output is plain decoding's, and every draf
 shares it. Drafts are discarded, as the scheduler's shadow drafts are (a draft model, a head
 resyncs to the context at each call). Sampled, the target's processed row p at each position gives
 accept[p] = Σ min(p, q₀) with q₀ the draft's first row, or p(x̃₁) for a one-hot draft (0: no draft).
+With `tree_nodes`, a tree drafter drafts its tree instead (its first-child chain is the draft): greedy
+any tree drafter; sampled, one whose trees `--tree auto` cuts (drafters.base.prices_sampled_trees),
+its side trees kept with each root child's exact chance of acceptance (`root_chances`).
 Each generation asks the engine for one token more than the task's budget, so the budget's last
 position has its draft too (the engine drafts nothing for the last token it may emit), and a task's
 drafters start cold (bench.run.start_cold: the history drafter forgets earlier tasks). A drafter
@@ -42,11 +45,12 @@ import numpy as np
 
 from edgespec.bench.provenance import commit, cpu_model
 from edgespec.bench.trace import Trace, TraceSet
-from edgespec.drafters.base import Draft, DraftCost, Drafter, can_draft_trees
+from edgespec.drafters.base import Draft, DraftCost, Drafter, can_draft_trees, prices_sampled_trees
 from edgespec.sampling import Dist, SamplingParams
 from edgespec.schedule.rate import Decision
 from edgespec.schedule.scheduler import COSTLY_GAMMA, K_MAX
 from edgespec.schedule.trees import TreeDrafting
+from edgespec.tree import DraftTree, without
 
 FREE_KINDS = ("ngram", "history")  # drafting costs next to nothing: they are recorded to K_MAX − 1
 Note = Callable[[str], None]
@@ -67,6 +71,8 @@ class _Track:
     ms: list[float] = field(default_factory=list)
     accept: list[float] = field(default_factory=list)
     trees: list[list[list]] = field(default_factory=list)
+    tree_accept: list[list[float]] = field(default_factory=list)
+    side_trees: bool = True  # sampled: every tree drafted was a side tree (else none is kept)
 
 
 class Recorder:
@@ -83,6 +89,7 @@ class Recorder:
         self.tracks = [_Track() for _ in self.drafters]
         self.output: list[int] = []  # every token emitted (an end-of-text one included)
         self._first: list[tuple[int, np.ndarray | None] | None] = []  # per drafter: (x̃₁, q₀) at this position
+        self._trees: list[DraftTree | None] = []  # per drafter: its sampled tree at this position
 
     def draft(self, drafter: Drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> tuple[Draft, Decision]:
@@ -90,13 +97,18 @@ class Recorder:
             raise RuntimeError(f"recording: a draft after {len(context)} tokens, expected after "
                                f"{self.n_prompt} + {len(self.output)}")
         self.sampled = not params.greedy
-        self._first = []
+        self._first, self._trees = [], []
         for d, longest, own, track in zip(self.drafters, self.longest, self.rngs, self.tracks):
             t0 = time.perf_counter()
-            if self.tree_nodes and params.greedy and can_draft_trees(d):  # the tree's first-child chain is the draft
+            tree = None
+            if self.tree_nodes and (can_draft_trees(d) if params.greedy else prices_sampled_trees(d)):
+                # the tree's first-child chain is the draft
                 tree = d.draft_tree(context, self.tree_nodes, longest, params, own)  # type: ignore[attr-defined]
-                track.trees.append([tree.tokens, tree.parents,
-                                    [round(float(c), 4) for c in tree.confidence or [0.5] * tree.n_nodes]])
+                conf = tree.confidence or [0.5] * tree.n_nodes
+                if self.sampled:  # each node's probability in its row (q None: one-hot, 1)
+                    track.side_trees &= tree.side_leaves
+                    conf = [1.0 if tree.q is None else float(tree.q[i][t]) for i, t in enumerate(tree.tokens)]
+                track.trees.append([tree.tokens, tree.parents, [round(float(c), 4) for c in conf]])
                 made = TreeDrafting.from_tree(tree)
             else:
                 made = d.draft(context, longest, params, own)
@@ -107,6 +119,7 @@ class Recorder:
             track.confidence.append(None if conf is None else [round(float(c), 4) for c in conf[:len(tokens)]])
             track.support.append(made.support)
             self._first.append((tokens[0], None if made.q is None else made.q[0]) if tokens else None)
+            self._trees.append(tree)
         return Draft([]), Decision()
 
     def observe(self, draft: Draft, accepted: int, t_draft: float, t_verify: float,
@@ -116,11 +129,13 @@ class Recorder:
     def emitted(self, tokens: Sequence[int], probs: Sequence[Dist] | None = None) -> None:
         for j, tok in enumerate(tokens):
             if self.sampled and probs is not None and j == 0:
-                for track, first in zip(self.tracks, self._first):
+                for track, first, tree in zip(self.tracks, self._first, self._trees):
                     if len(track.accept) == len(self.output) < len(track.drafts):
                         track.accept.append(round(accept(probs[j], first), 5))
+                        if tree is not None:
+                            track.tree_accept.append([round(a, 5) for a in root_chances(probs[j], tree)])
             self.output.append(int(tok))
-            self._first = []
+            self._first, self._trees = [], []
 
     def trace(self, i: int, task: str, category: str, max_tokens: int, is_eog: Callable[[int], bool]) -> Trace:
         """Drafter i's Trace of the generation just ended, cut to `max_tokens` or its first end of text."""
@@ -132,8 +147,10 @@ class Recorder:
             raise RuntimeError(f"recording {task}: {len(t.drafts)} drafts for {n} positions")
         conf = None if all(c is None for c in t.confidence[:n]) else [c or [] for c in t.confidence[:n]]
         support = None if all(s is None for s in t.support[:n]) else t.support[:n]
+        trees = t.trees[:n] if t.trees and (t.side_trees or not self.sampled) else None
         return Trace(task, category, self.n_prompt, self.output[:n], eos, max_tokens, t.drafts[:n], conf,
-                     support, t.accept[:n] if self.sampled else None, t.ms[:n], t.trees[:n] if t.trees else None)
+                     support, t.accept[:n] if self.sampled else None, t.ms[:n], trees,
+                     t.tree_accept[:n] if trees and self.sampled else None)
 
 
 def accept(p: Dist, first: tuple[int, np.ndarray | None] | None) -> float:
@@ -147,6 +164,27 @@ def accept(p: Dist, first: tuple[int, np.ndarray | None] | None) -> float:
     dense = p.dense()
     n = min(len(dense), len(q0))
     return float(np.minimum(dense[:n], q0[:n]).sum())
+
+
+def root_chances(p: Dist, tree: DraftTree) -> list[float]:
+    """The chance recursive rejection sampling (tree.verify_tree_stochastic) accepts each of the
+    root's children of `tree` given the ones before it were rejected, `p` the target's processed row:
+    min(1, r(x)/q_j(x)) with r the residual left by the earlier ones and q_j the child's row less the
+    earlier siblings' tokens (one-hot for deterministic drafts)."""
+    r, out, kids = p.dense().astype(np.float64), [], tree.children(-1)
+    for j, c in enumerate(kids):
+        x = tree.tokens[c]
+        if tree.q is None:
+            q_j = np.zeros_like(r)
+            q_j[x] = 1.0
+        else:
+            q_j = without(tree.q[c], [tree.tokens[s] for s in kids[:j]])[:len(r)]
+        out.append(min(1.0, float(r[x] / q_j[x])) if q_j[x] > 0 else 0.0)
+        nxt = np.maximum(r - q_j, 0.0)
+        if nxt.sum() <= 0.0:  # nothing left to reject into: the later ones are never tried
+            return out + [0.0] * (len(kids) - j - 1)
+        r = nxt / nxt.sum()
+    return out
 
 
 def record_tasks(engine, drafters: Sequence[Drafter], tasks: Sequence, temperature: float,
@@ -190,8 +228,8 @@ def record(target: str, drafter: str, prompts: Sequence, temperature: float, lon
            note: Note | None = None, tree_nodes: int = 0) -> list[TraceSet]:
     """The TraceSet of `drafter` (a chain: one per member, sharing outputs) over `prompts` (bench
     Tasks, each capped at `max_tokens`) on `target` at `temperature`, drafting up to `longest`
-    (None: `default_longest` of each member's kind); greedy, a tree drafter's trees of up to
-    `tree_nodes` nodes (0: none) at every position too."""
+    (None: `default_longest` of each member's kind); a tree drafter's trees of up to `tree_nodes`
+    nodes (0: none) at every position too (the module docstring)."""
     from edgespec.bench.sessions import cap_tokens
     from edgespec.session import Session, plan
 
@@ -252,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--longest", type=int, help="longest draft recorded (default: 31 ngram/history, 15 others)")
     ap.add_argument("--seed", type=int, default=0, help="task n samples (target and drafter) with seed + n")
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--tree-nodes", type=int, default=0, help="greedy: also record each tree drafter's draft "
-                    "tree of up to this many nodes at every position (its first-child chain is the draft)")
+    ap.add_argument("--tree-nodes", type=int, default=0, help="also record each tree drafter's draft tree of up "
+                    "to this many nodes at every position (its first-child chain is the draft; T > 0: side trees "
+                    "only, with each root child's chance of acceptance)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=Path("out/traces"))
     args = ap.parse_args(argv)

@@ -10,6 +10,9 @@ shadow draft included) plus T(γ + 1, context), T(k, c) = T(k) + k · ctx · (c 
 T(k) and ctx_us; plain decoding costs T(1, c) per token. Speedup = plain time / the policy's time.
 At T > 0 `emitted()` gets probs=None: a shadow token is credited when the sampled output equals it,
 whose mean for a copying drafter (one-hot q) is p(x̃), the credit the engine's probs give.
+Sampled side trees (trace `tree_accept`): `sampled_side_tree` stands for the tree drafted at p and
+`sampled_path` walks it as recursive rejection sampling would, the chain as above, a depth-i sibling
+by the chance recorded for the same-rank sibling at p + i (fixed uniforms again).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from edgespec.bench import policies as pol
 from edgespec.bench.trace import Trace, TraceSet
 from edgespec.calibration import fold, mean_acceptance
 from edgespec.drafters.base import Draft, DraftCost
+from edgespec.drafters.tree_draft import sibling_counts
 from edgespec.sampling import SamplingParams
 from edgespec.schedule import ChainScheduler, CostModel, Scheduler
 from edgespec.schedule import chain as chain_mod
 from edgespec.schedule import scheduler as scheduler_mod
 from edgespec.schedule import trees as trees_mod
 from edgespec.schedule.costs import K_MAX
-from edgespec.schedule.trees import TreeScheduling
+from edgespec.schedule.trees import TreeScheduling, siblings_beside
 from edgespec.tree import DraftTree
 from edgespec.tree_step import within_depth
 
@@ -72,6 +76,7 @@ class Task:
     offer: list[int]  # draft length recorded at p (≤ K_MAX − 1)
     run: list[int]  # drafts that pass if verified (≤ offer, ≤ tokens left after p's own)
     accept: list[float] | None  # T > 0: P(first draft token accepted) per position
+    sibling_u: np.ndarray | None = None  # T > 0 with tree_accept: a uniform per (position, sibling rank)
 
 
 def prepare(trace: Trace, temperature: float, seed: int = 0) -> Task:
@@ -92,7 +97,8 @@ def prepare(trace: Trace, temperature: float, seed: int = 0) -> Task:
         following = following + 1 if ok[p] else 0
         streak[p] = following
     run = [min(offer[p], streak[p], n - p - 1) for p in range(n)]
-    return Task(trace, offer, run, list(trace.accept))
+    sib = None if trace.tree_accept is None else np.random.default_rng([seed, 1, *map(ord, trace.task)]).random((n, K_MAX))
+    return Task(trace, offer, run, list(trace.accept), sib)
 
 
 @dataclass
@@ -203,6 +209,8 @@ class TraceDrafter:
     def __init__(self, traces: TraceSet, costs: Costs, clock: Clock) -> None:
         self.name, self.set, self.costs, self.clock = traces.drafter, traces, costs, clock
         self.sampled_q = traces.temperature > 0 and traces.kind not in pol.COPYING
+        # sampled, its trees are side trees with recorded chances (drafters.base.prices_sampled_trees)
+        self.sampled_trees = traces.temperature > 0 and all(t.tree_accept is not None for t in traces.traces)
         self.stateful = traces.kind not in pol.COPYING
         self.trace: Trace | None = None
         self._base, self._held = 0, []  # its cache: the context's first _base tokens, then its last draft
@@ -237,7 +245,11 @@ class TraceDrafter:
         tr = self.trace
         assert tr is not None
         chain = self.draft(context, max_depth, params, rng, stop)
-        tree = recorded_tree(tr, len(context) - tr.prompt_len, max(1, len(chain.tokens)), max_nodes)
+        p = len(context) - tr.prompt_len
+        if self.set.temperature > 0:
+            tree = sampled_side_tree(tr, p, chain.tokens, max_nodes)
+        else:
+            tree = recorded_tree(tr, p, max(1, len(chain.tokens)), max_nodes)
         tree.chain_draft = chain
         return tree
 
@@ -281,6 +293,43 @@ def recorded_tree(trace: Trace, p: int, depth: int, nodes: int) -> DraftTree:
     tokens, parents, conf = trace.trees[p]
     tree = within_depth(DraftTree(tokens, parents, confidence=conf), depth)
     return tree.subtree(range(min(nodes, tree.n_nodes)))
+
+
+def sampled_side_tree(trace: Trace, p: int, chain: list[int], nodes: int) -> DraftTree:
+    """A stand-in for the sampled side tree drafted at p with `chain` (its tokens) and up to `nodes`
+    nodes: beside the chain's token at depth i the siblings side_tree gives that depth (its rule, with
+    each depth's chain token probability recorded at p + i), at most as many as were recorded at p + i,
+    whose chances stand for them (sampled_path). Tokens are stand-ins (chain 0, siblings 1, 2, ...)."""
+    assert trace.trees is not None and trace.tree_accept is not None
+    d, n = min(len(chain), nodes), len(trace.output)
+    qx = [trace.trees[p + i][2][0] if p + i < n and trace.trees[p + i][0] else 1.0 for i in range(d)]
+    reach = np.cumprod([1.0, *qx[:-1]]) if d else []
+    counts = sibling_counts([reach[i] * (1.0 - qx[i]) for i in range(d)], nodes - d)
+    counts = [min(c, len(trace.tree_accept[p + i]) - 1 if p + i < n else 0) for i, c in enumerate(counts)]
+    tokens, parents = [0] * d, list(range(-1, d - 1))
+    for i, c in enumerate(counts):
+        tokens += range(1, c + 1)
+        parents += [i - 1] * c
+    width = max(counts, default=0) + 1
+    return DraftTree(tokens, parents, np.full((len(tokens), width), 1.0 / width), side_leaves=True)
+
+
+def sampled_path(tree: DraftTree, task: Task, p: int) -> list[int]:
+    """The path recursive rejection sampling accepts in a sampled_side_tree at p: the chain's token at
+    depth i passes as a chain's does (task.run), else each of its siblings in turn with the chance
+    recorded for its rank at p + i (task.sibling_u: fixed uniforms)."""
+    assert task.trace.tree_accept is not None and task.sibling_u is not None
+    chain, path, n = tree.first_chain(), [], len(task.trace.output)
+    for i, sibs in enumerate(siblings_beside(tree, chain)):
+        if p + i >= n - 1:
+            break
+        if i < task.run[p]:
+            path.append(chain[i])
+            continue
+        chances = task.trace.tree_accept[p + i]
+        path += next(([s] for j, s in enumerate(sibs, 1) if task.sibling_u[p + i, j] < chances[j]), [])
+        break
+    return path
 
 
 def tree_path(tree: DraftTree, output: list[int], p: int) -> list[int]:
@@ -334,7 +383,7 @@ def _run_auto(members: list[tuple[TraceSet, list[Task]]], device: Any, records: 
                 g = len(d_.tokens)
                 who = 0 if chain is None or chain.chosen is None else scheds.index(chain.chosen)
                 if dec is not None and dec.tree is not None:  # the tree scheduler chose a tree
-                    path = tree_path(dec.tree, tr.output, p)
+                    path = sampled_path(dec.tree, task, p) if temp > 0 else tree_path(dec.tree, tr.output, p)
                     acc, t_verify = len(path), costs[0].verify(dec.tree.n_nodes + 1, ctx0 + p)
                     clock.now += t_verify / 1000
                     sched.observe_tree(dec.tree, path, t_draft / 1000, t_verify / 1000, ctx0 + p)

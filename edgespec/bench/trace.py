@@ -11,7 +11,11 @@ first token at p (Σ min(p, q); a one-hot q: p(x̃)): the replay draws each draf
 cycle at p as Bernoulli(accept[p + i]), an approximation (the real draft at p + i is made after
 sampled, not recorded, tokens). A trace recorded with trees (record.py --tree-nodes) holds, per
 position, the draft tree a tree drafter made there (greedy), whose chain of first children is
-`drafts[p]`: a tree's accepted path is exact too (edgespec.bench.tree_replay).
+`drafts[p]`: a tree's accepted path is exact too (edgespec.bench.tree_replay). At T > 0 a side-tree
+drafter's sampled tree is recorded (confidences: each node's probability in the row it was drawn from)
+with `tree_accept[p]`, the exact chances of the root's children, chain token first, each sibling's
+given the tokens before it were rejected (recursive rejection sampling); the replay stands a depth-i
+position of a cycle at p for the root's children recorded at p + i, as for chains.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ class Trace:
     support: list[int | None] | None = None  # per position, the match a copying drafter copies from
     accept: list[float] | None = None  # T > 0: per position, P(first draft token accepted)
     draft_ms: list[float] | None = None  # per position, ms the draft took on the recording machine
-    trees: list[list[list]] | None = None  # greedy, per position: a draft tree [tokens, parents, confidences]
+    trees: list[list[list]] | None = None  # per position: a draft tree [tokens, parents, confidences]
+    # T > 0 (side trees): per position, the chance verification accepts each of the root's children in
+    # draw order: the chain's token, then each sibling once the tokens before it were rejected
+    tree_accept: list[list[float]] | None = None
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Draft trees replayed: chain against tree against `--tree auto`, per (drafter, device, category), on
-trace sets recorded with trees (edgespec.bench.record --tree-nodes; greedy, so every path is exact).
+trace sets recorded with trees (edgespec.bench.record --tree-nodes): greedy, where every path is exact,
+and sampled side trees (their recorded chances, edgespec.bench.simulate.sampled_path: an approximation
+as the chain replay's at T > 0).
 
 Policies, each over a whole trace set on one device's costs (edgespec.bench.simulate's cost model):
 - `chain`: `-k auto` with chains only (replay's `auto`);
@@ -34,6 +36,8 @@ from edgespec.bench.simulate import (
     prepare,
     recorded_tree,
     run_controller,
+    sampled_path,
+    sampled_side_tree,
     tree_path,
 )
 from edgespec.bench.trace import TraceSet
@@ -49,11 +53,15 @@ def run_tree_fixed(task: Task, c: Costs, gamma: int, nodes: int) -> Result:
     tr, ms, cycles, p, seen = task.trace, 0.0, 0, 0, 0
     assert tr.trees is not None
     n, ctx0 = len(tr.output), tr.prompt_len - 1
+    sampled = task.sibling_u is not None
     while p < n:
         limit = _limit(tr, p)
-        tree = recorded_tree(tr, p, min(gamma, limit), nodes) if limit else None
+        tree = None
+        if limit:
+            tree = (sampled_side_tree(tr, p, tr.drafts[p][:min(gamma, limit)], nodes) if sampled
+                    else recorded_tree(tr, p, min(gamma, limit), nodes))
         k = tree.n_nodes if tree is not None else 0
-        acc = len(tree_path(tree, tr.output, p)) if k else 0
+        acc = len(sampled_path(tree, task, p) if sampled else tree_path(tree, tr.output, p)) if k else 0
         t_draft = c.draft(len(tree.first_chain())) if k else 0.0
         if k and c.read_ms:
             t_draft += max(0, ctx0 + p - seen) * c.read_ms
@@ -64,7 +72,7 @@ def run_tree_fixed(task: Task, c: Costs, gamma: int, nodes: int) -> Result:
 
 def replay_trees(ts: TraceSet, device: Any) -> dict[str, list[Result]]:
     """The POLICIES over one tree trace set on one device: {policy: per-task results}."""
-    tasks = [prepare(t, 0.0) for t in ts.traces]
+    tasks = [prepare(t, ts.temperature) for t in ts.traces]
     c = Costs(device, ts.kind)
     chains = {g: [run_controller(t, c, pol.Fixed(g)) for t in tasks] for g in range(1, 16)}
     trees = {(g, m): [run_tree_fixed(t, c, g, m) for t in tasks] for g in range(1, 9) for m in NODES}
@@ -111,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     from edgespec.bench.devices import bundled, load_device
 
     sets = [ts for path in args.traces for ts in load_sets(path)
-            if ts.temperature == 0 and all(t.trees is not None for t in ts.traces)]
+            if all(t.trees is not None and (ts.temperature == 0 or t.tree_accept is not None) for t in ts.traces)]
     if not sets:
-        print("no greedy trace sets with trees found", file=sys.stderr)
+        print("no trace sets with trees found", file=sys.stderr)
         return 1
     devices = [load_device(d) for spec in (args.device or ["all"]) for d in (bundled() if spec == "all" else [spec])]
     results = {getattr(d, "name", str(d)): {set_name(ts): replay_trees(ts, d) for ts in sets if ts.kind in d.draft}

@@ -45,6 +45,17 @@ def _largest(x: npt.NDArray[np.float64], k: int) -> list[int]:
     return [int(y) for y in ids[np.lexsort((ids, -x[ids]))][:k]]
 
 
+def sibling_counts(left: Sequence[float], room: int) -> list[int]:
+    """How many alternatives each chain position gets when sampled, `room` in all: the k-th at position i
+    is worth left[i] / k (left[i]: the mass the chain's token leaves there, times the chance the chain
+    gets there), and the most valuable fill the room. Read from the chain alone."""
+    slots = sorted(((left[i] / k, i) for i in range(len(left)) for k in range(1, room + 1)), key=lambda c: -c[0])
+    count = [0] * len(left)
+    for _, i in slots[:room]:
+        count[i] += 1
+    return count
+
+
 def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], max_nodes: int,
               q: npt.NDArray[np.float64] | None, rng: np.random.Generator | None = None,
               confidence: Sequence[float] | None = None) -> DraftTree:
@@ -68,11 +79,7 @@ def side_tree(tokens: Sequence[int], dists: Sequence[npt.NDArray[np.float64]], m
         # chain token leaves, reach(i)·(1 − q_i(x̃ᵢ)), the k-th alternative counted at 1/k of it),
         # then they are drawn without replacement after its chain token (Gumbel top-k)
         assert rng is not None
-        left = [reach[i] * (1.0 - float(q[i][tokens[i]])) for i in range(d)]
-        slots = sorted(((left[i] / k, i) for i in range(d) for k in range(1, room + 1)), key=lambda c: -c[0])
-        count = [0] * d
-        for _, i in slots[:room]:
-            count[i] += 1
+        count = sibling_counts([reach[i] * (1.0 - float(q[i][tokens[i]])) for i in range(d)], room)
         alts = {}
         for i in range(d):
             rest = q[i].copy()
