@@ -373,6 +373,64 @@ def test_mlx_tree_step_equals_replay(heads, monkeypatch):
 
 
 @pytest.mark.real
+def test_llama_tree_step_equals_replay(heads, monkeypatch):
+    """On libllama too a depth of EAGLE-2's tree is one head step (LlamaEagle3Head.decode_tree: one sequence
+    id per row holding the context's and its ancestors' cells, a unified cache); it drafts the tree the
+    one-node-at-a-time replay drafts, greedy and sampled, and deeper than its ids last (reused oldest
+    first), and leaves the head's cache as the replay does: the chain drafted after each tree is the
+    replay's, bit for bit."""
+    from edgespec.heads.eagle3_llama import TREE_SEQS, LlamaEagle3Head
+
+    shapes = [(GREEDY, 0, NODES, GAMMA), (SAMPLED, 4, NODES, GAMMA),  # deep: up to 28 rows, 16 ids
+              (GREEDY, 0, 4 * NODES - 1, 8), (SAMPLED, 4, 2 * NODES - 1, 8)]
+    target_path, head = heads["eagle3"]
+    with edgespec.load(target_path, drafter=head, n_ctx=256, threads=1, num_draft=GAMMA, tree=NODES) as engine:
+        drafter, target = engine.drafter, engine.target
+        assert isinstance(drafter.head, LlamaEagle3Head)
+        steps, step_fn = [], LlamaEagle3Head.decode_tree
+
+        def counted(self, *a):
+            steps[-1].append(len(a[0]))
+            return step_fn(self, *a)
+
+        def draft_all() -> dict:
+            out = {}
+            for text in HELD_OUT[:3]:
+                ctx = target.tokenize(text)
+                target.truncate(0)
+                target.eval(ctx[:-1], rows="none")
+                for k, (params, seed, nodes, depth) in enumerate(shapes):
+                    steps.append([])
+                    tree = drafter.draft_tree(ctx, nodes, depth, params, np.random.default_rng(seed))
+                    h = drafter.head  # the tree's entries are gone, its ids hold no cell
+                    assert h.n_past == len(ctx) - 1 == h._ll.llama_memory_seq_pos_max(h._mem, 0) + 1
+                    assert all(h._ll.llama_memory_seq_pos_max(h._mem, s) == -1 for s in range(1, TREE_SEQS + 1))
+                    chain = drafter.draft(ctx, GAMMA, GREEDY, np.random.default_rng(0))
+                    out[text, k] = tree, chain
+            return out
+
+        monkeypatch.setattr(LlamaEagle3Head, "decode_tree", counted)
+        got = draft_all()
+        rows = [s for s in steps if s]
+        assert all(len(s) < depth for s, (_, _, _, depth) in zip(steps, shapes * 3, strict=True))  # one per depth
+        assert max(map(max, rows)) > 1 and max(map(sum, rows)) > TREE_SEQS - 1  # several nodes; ids reused
+        monkeypatch.setattr(LlamaEagle3Head, "decode_tree", None)  # the drafter replays paths instead
+        want = draft_all()
+    diff = max(max(abs(x - y) for x, y in zip(got[k][0].confidence, want[k][0].confidence, strict=True)) for k in got)
+    print(f"libllama tree steps {rows}: max |Δ confidence| vs replay {diff:.1e}")
+    for key, (a, chain) in got.items():
+        b, chain_b = want[key]
+        assert a.tokens == b.tokens and a.parents == b.parents, key
+        # the same cells in the same order (a masked cell is skipped), but a depth's rows are multiplied
+        # together, not one by one, and rounded otherwise: measured 7e-6 here (the deep trees; 1e-6 at
+        # depth 4), 2e-4 with the shipped head on SmolLM2 (tokens and parents equal in 127 trees)
+        np.testing.assert_allclose(a.confidence, b.confidence, rtol=0, atol=1e-4)
+        if a.q is not None:
+            np.testing.assert_allclose(a.q, b.q, rtol=0, atol=1e-4)
+        assert chain.tokens == chain_b.tokens and chain.confidence == chain_b.confidence, key
+
+
+@pytest.mark.real
 @pytest.mark.parametrize("name", KINDS)
 def test_greedy_auto_trees_equal_plain_on_a_tiny_target(heads, name):
     """`--tree auto` with each head on llama.cpp (schedule.trees on a flat T(k), so that trees are

@@ -13,13 +13,15 @@ DraftModelDrafter's, so partial rejection, full acceptance and new prompts need 
 
 Trees (`draft_tree`): EAGLE-2's dynamic tree (drafters.head_tree.dynamic_tree). Expanding a node runs
 the head on the pair (its token, its parent's h) at head position N−2+depth, seeing the context's pairs
-and its ancestors'. A runner with `decode_tree` (heads.eagle3_mlx) expands a whole depth in ONE step, as
-EAGLE-2 does: the nodes' pairs go in the batch axis at their own positions with a mask of the context
-and their ancestors' entries (every ancestor was expanded, so its pair is held). The others (libllama:
-one sequence in the head's context; the numpy oracle) branch by replay: a depth's nodes are expanded one
+and its ancestors'. A runner with `decode_tree` (heads.eagle3_mlx on MLX, heads.eagle3_llama on libllama)
+expands a whole depth in ONE step, as EAGLE-2 does: the nodes' pairs go in one batch at their own
+positions, each seeing the context's and its ancestors' entries (every ancestor was expanded, so its pair
+is held): on MLX by a mask in the batch axis, on libllama by one sequence id per node holding those cells
+(heads.llama_head's tree entries). The numpy oracle branches by replay: a depth's nodes are expanded one
 decode each, in path order, the cache truncated to the deepest ancestor the node shares with the
 previous expansion and the rest of its path decoded again from the h kept per node (a sibling costs a
-one-pair decode, a cousin a short replay): up to TOP_K head steps per depth instead of one.
+one-pair decode, a cousin a short replay): up to TOP_K head steps per depth instead of one. Either way
+the tree's entries are dropped after drafting, leaving the head's cache as the context alone left it.
 """
 
 from __future__ import annotations

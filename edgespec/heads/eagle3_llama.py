@@ -14,7 +14,9 @@ A head with ``rope_freqs.weight`` (llama3 RoPE scaling) needs nothing here: llam
 loads it as ``layers[0].rope_freqs`` and passes it to ggml_rope_ext as freq_factors.
 
 Same interface as the numpy ``Eagle3Head`` (encode / decode / truncate / n_past), so the two can be
-compared on the same inputs.
+compared on the same inputs, and ``decode_tree`` as heads.eagle3_mlx's: EAGLE-2's batched tree step, the
+rows of one depth in one ``llama_process`` at their own positions, each on its own sequence id that holds
+the context and its ancestors' cells (heads.llama_head: tree entries).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from edgespec.backends.llama_cpp import LlamaCppBackend
 from edgespec.errors import BackendError, ModelLoadError
 from edgespec.heads.llama_head import DECODE, ENCODE, F32, LlamaHeadContext
+
+TREE_SEQS = 17  # ids for tree entries: the keeper and 16 rows (EAGLE-2's k = 4 per depth, twice over with room)
 
 
 class LlamaEagle3Head(LlamaHeadContext):
@@ -44,7 +49,8 @@ class LlamaEagle3Head(LlamaHeadContext):
 
     def __init__(self, path: str | os.PathLike, target: LlamaCppBackend, *, kv_type: str = "f16",
                  flash_attn: bool = True, threads: int | None = None) -> None:
-        super().__init__(path, target, kind="EAGLE-3", kv_type=kv_type, flash_attn=flash_attn, threads=threads)
+        super().__init__(path, target, kind="EAGLE-3", kv_type=kv_type, flash_attn=flash_attn, threads=threads,
+                         tree_seqs=TREE_SEQS)
         if len(self.target_layers) != 3:
             self.close()
             raise ModelLoadError(f"{self.path} is not an EAGLE-3 head (target layers {self.target_layers})")
@@ -54,6 +60,7 @@ class LlamaEagle3Head(LlamaHeadContext):
     def encode(self, features: F32) -> F32:
         """fc over target features: (n, 3·H_t) → g (n, H), in chunks of n_batch rows (one ubatch each:
         the encoder needs its rows in one)."""
+        self._no_tree("encode")
         ll, f = self._ll, np.ascontiguousarray(features, np.float32)
         if f.ndim != 2 or f.shape[1] != 3 * self.n_embd_tgt:
             raise ValueError(f"features must be (n, {3 * self.n_embd_tgt}) (got {f.shape})")
@@ -86,6 +93,7 @@ class LlamaEagle3Head(LlamaHeadContext):
         Returns:
             (logits (k, V) with −inf outside the draft vocabulary, pre-norm h (k, H)); k = n or 1.
         """
+        self._no_tree("decode")
         g = np.ascontiguousarray(g, np.float32)
         n = len(tokens)
         if g.shape != (n, self.n_embd):
@@ -122,7 +130,48 @@ class LlamaEagle3Head(LlamaHeadContext):
         self._n_past += n
         if not outputs:
             return np.empty((0, self.n_vocab), np.float32), np.empty((0, self.n_embd), np.float32)
-        logits = self._logits(n)
+        return self._outputs(n)
+
+    def decode_tree(self, tokens: Sequence[int], g: F32, positions: Sequence[int],
+                    visible: npt.NDArray[np.bool_]) -> tuple[F32, F32]:
+        """EAGLE-2's batched tree step (heads.eagle3_mlx.MlxEagle3Head.decode_tree's contract): pairs
+        (tokens[i], g[i]) at positions[i], each attending to the entries `visible[i]` marks ((n, n_past + n):
+        the entries held, then the n new ones), appended as entries n_past.. in row order. On libllama a
+        row must see the whole context, then nothing or an earlier entry and what that entry saw, and sit
+        one position past it (an EAGLE-2 node: its ancestors), and itself (heads.llama_head: tree entries).
+        One llama_process, every row an output; `truncate` to at most the context drops the entries.
+
+        Returns (logits (n, V) with −inf outside the draft vocabulary, pre-norm h (n, H)), every row.
+        """
+        ll, n = self._ll, len(tokens)
+        g = np.ascontiguousarray(g, np.float32)
+        if g.shape != (n, self.n_embd) or len(positions) != n:
+            raise ValueError(f"decode_tree: {n} tokens need g ({n}, {self.n_embd}) and {n} positions "
+                             f"(got {g.shape}, {len(positions)})")
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"decode_tree: {n} rows (1 to n_batch {self.n_batch})")
+        ids = self._tree_rows(positions, visible)
+        ll.llama_batch_ext_clear(self._batch)
+        try:
+            for i, (tok, s) in enumerate(zip(tokens, ids, strict=True)):
+                idx = ll.llama_batch_ext_add_token(self._batch, s, int(tok))
+                if (idx < 0 or not self._set_pos(idx, (int(positions[i]), 0, 0, 0))
+                        or not ll.llama_batch_ext_set_embd_token(self._batch, idx, self._embd(g[i]))):
+                    raise BackendError(f"cannot add tree row {i} (token {tok}) to the decoder batch ({idx})")
+                ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+            self._process(DECODE, f"tree step of {n} rows at positions {list(positions)}")
+        except BackendError:
+            self._tree_abort(ids)
+            raise
+        self._tree_commit(ids, positions, visible)
+        return self._outputs(n)
+
+    def _outputs(self, n: int) -> tuple[F32, F32]:
+        """Logits (n, V) and pre-norm h (n, H) of the last pass's n rows (copied)."""
         h = np.stack([np.ctypeslib.as_array(self._api.get_nextn_ith(self._ctx, i), shape=(self.n_embd,))
                       for i in range(n)]).astype(np.float32)
-        return logits, h
+        return self._logits(n), h
+
+    def _no_tree(self, what: str) -> None:
+        if self._entries:
+            raise BackendError(f"{what} with tree entries held: truncate to the context first")
