@@ -10,9 +10,8 @@ shadow draft included) plus T(γ + 1, context), T(k, c) = T(k) + k · ctx · (c 
 T(k) and ctx_us; plain decoding costs T(1, c) per token. Speedup = plain time / the policy's time.
 At T > 0 `emitted()` gets probs=None: a shadow token is credited when the sampled output equals it,
 whose mean for a copying drafter (one-hot q) is p(x̃), the credit the engine's probs give.
-Sampled side trees (trace `tree_accept`): `sampled_side_tree` stands for the tree drafted at p and
-`sampled_path` walks it as recursive rejection sampling would, the chain as above, a depth-i sibling
-by the chance recorded for the same-rank sibling at p + i (fixed uniforms again).
+Sampled side trees (trace `tree_accept`): `sampled_path` walks `sampled_side_tree`'s tree at p by
+recursive rejection, its chain as above, a depth-i sibling by its rank's recorded chance at p + i.
 """
 
 from __future__ import annotations
@@ -259,11 +258,10 @@ class TraceDrafter:
     def cost_prior(self, note=None) -> DraftCost | None:
         return self.costs.prior()
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # nothing cached: a trace is read, not run
         pass
 
-    def close(self) -> None:
-        pass
+    close = reset
 
 
 @contextlib.contextmanager
