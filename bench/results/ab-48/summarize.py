@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 def load(path):
-    d = json.load(open(path)); return d
+    return json.load(open(path))
 rows = collections.defaultdict(lambda: collections.defaultdict(list))
 for f in sorted(glob.glob(str(HERE / '*' / 'results.json'))):
     name = f.split('/')[-2]
@@ -18,7 +18,8 @@ for f in sorted(glob.glob(str(HERE / '*' / 'results.json'))):
     pair = rest.rsplit('-r', 1)[0]
     rnd = rest.rsplit('-r', 1)[1]
     for r in load(f)['runs']:
-        if r['config'] == 'plain': continue
+        if r['config'] == 'plain':
+            continue
         rows[(pair, r['temperature'])][side].append((rnd, r['task'], r['category'], r['tok_per_s'], r['plain_tok_per_s'], r.get('matches_plain')))
 print("| pair | T | runs old/new | old auto÷plain median | new auto÷plain median | new ÷ old spec tok/s (median over tasks) | category medians auto÷plain, new (min) | old (min) |")
 print("|---|---|---|---|---|---|---|---|")
@@ -29,12 +30,12 @@ for (pair, t), sides in sorted(rows.items()):
         xs = sides[side]
         ratios = [s / p for _, _, _, s, p, _ in xs]
         bycat = collections.defaultdict(list)
-        for _, task, cat, s, p, _ in xs:
+        for _, _task, cat, s, p, _ in xs:
             bycat[cat].append(s / p)
         catmed = {c: statistics.median(v) for c, v in bycat.items()}
         sp[side] = (statistics.median(ratios), min(catmed.values()), len(set(x[0] for x in xs)))
         pertask = collections.defaultdict(list)
-        for rnd, task, cat, s, p, _ in xs:
+        for _rnd, task, _cat, s, _p, _ in xs:
             pertask[task].append(s)
         sp[side + 'task'] = {k: statistics.median(v) for k, v in pertask.items()}
     rel = statistics.median(sp['newtask'][k] / sp['oldtask'][k] for k in sp['newtask'])
