@@ -344,3 +344,25 @@ def test_cli_generate_with_a_head(tiny_head, name, runtime):
                                       "Hello, world!"])
     assert result.exit_code == 0, result.output
     assert "τ" in result.stderr
+
+
+@pytest.mark.real
+@pytest.mark.usefixtures("own_mlx_home")
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark"])
+def test_mlx_heads_are_timed_while_idle(tiny_head, name):
+    """A first `-k auto` reply on an MLX target (no cost profile cached) decodes plainly; the idle run
+    after it, on the engine's own thread, times the target and the head's draft step. MLX streams are
+    per thread: a head's cache arrays left lazy on the generating thread failed there ("There is no
+    Stream(cpu, 0) in current thread": the profile was never completed, so -k auto never drafted)."""
+    from edgespec import calibration
+
+    target, head = tiny_head(name)
+    with edgespec.load(target, drafter=head, backend="mlx", n_ctx=256, num_draft="auto") as engine:
+        profile = calibration.profile_path(engine.target)
+        assert profile is not None
+        profile.unlink(missing_ok=True)  # a first use
+        assert engine.pricing.unknown()
+        engine.generate(PROMPTS[0], max_tokens=8)
+        assert engine.wait_priced(timeout=120)
+        assert engine.idle_error is None, engine.idle_error
+        assert not engine.pricing.unknown() and engine.pricing.draft_cost[engine.drafter] is not None

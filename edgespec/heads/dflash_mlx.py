@@ -56,6 +56,7 @@ class MlxDFlashHead(MlxHeadWeights, DFlashBlocks):
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k = [mx.zeros(kv, mx.float32) for _ in range(config.n_layer)]
         self._v = [mx.zeros(kv, mx.float32) for _ in range(config.n_layer)]
+        mx.eval(self._lm, self._k, self._v)  # evaluated where made (mlx_ops.mx_matrix: streams are per thread)
 
     @property
     def n_past(self) -> int:
@@ -67,6 +68,7 @@ class MlxDFlashHead(MlxHeadWeights, DFlashBlocks):
         if n_past < self.n_past:
             self._k = [k[:, :, :n_past] for k in self._k]
             self._v = [v[:, :, :n_past] for v in self._v]
+            self._mx.eval(self._k, self._v)  # evaluated on this thread (see __init__)
 
     def _heads(self, y: Any, count: int, norm: str | None, p0: int) -> Any:
         """(n, count·d) → (1, count, n, d); with ``norm``: per-head RMSNorm, then RoPE at p0.."""

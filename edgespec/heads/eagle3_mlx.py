@@ -36,6 +36,7 @@ class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
         mx = self._mx
         kv = (1, config.n_head_kv, 0, config.head_dim)
         self._k, self._v = mx.zeros(kv, mx.float32), mx.zeros(kv, mx.float32)
+        mx.eval(self._k, self._v)  # evaluated where made (mlx_ops.mx_matrix: streams are per thread)
         # mx.fast.rope's freqs are periods base^(2i/n_rot) (theta = pos / freqs[i]): llama3's divisors multiply them
         self._freqs = None if ROPE_FREQS not in tensors else mx.array(
             (config.rope_base ** (np.arange(0, config.n_rot, 2) / config.n_rot)
@@ -50,6 +51,7 @@ class MlxEagle3Head(MlxHeadWeights, Eagle3Sizes):
         """Drop the KV entries of positions ≥ n_past."""
         if n_past < self.n_past:
             self._k, self._v = self._k[:, :, :n_past], self._v[:, :, :n_past]
+            self._mx.eval(self._k, self._v)  # evaluated on this thread (see __init__)
 
     def encode(self, features: F32) -> F32:
         """fc over target features: (n, 3·H_t) → g (n, H)."""

@@ -65,11 +65,15 @@ def transposed_weights(mx: Any, tensors: Mapping[str, npt.NDArray], skip: Iterab
 def mx_matrix(mx: Any, m: Any, shape: tuple[int, int], what: str) -> Any:
     """A (rows, H) matrix the head borrows (token embeddings, LM head) as an mx array: an mx array
     (an MLX target's own weight, MlxFeatureBackend.token_embeddings) is kept without a copy, numpy
-    is converted to float32. ValueError unless its shape is `shape`."""
+    is converted to float32. ValueError unless its shape is `shape`. Evaluated here (a quantized
+    target's rows dequantized now, not at first use): MLX streams are per thread, and an array left
+    lazy on this thread cannot be evaluated on another (the engine's idle timing runs on its own)."""
     got = None if m is None else tuple(m.shape)
     if got != shape:
         raise ValueError(f"the head needs {what} of shape {shape} (its own or the target's; got {got})")
-    return m if isinstance(m, mx.array) else mx.array(np.asarray(m, np.float32))
+    out = m if isinstance(m, mx.array) else mx.array(np.asarray(m, np.float32))
+    mx.eval(out)
+    return out
 
 
 def split_heads(y: Any, n: int, count: int, head_dim: int) -> Any:

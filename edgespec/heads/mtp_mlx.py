@@ -191,6 +191,7 @@ class MlxMtpHead:
         self._embed, self._head = embed, head
         kv = (1, c.n_head_kv, 0, c.head_dim)
         self._k, self._v = mx.zeros(kv, mx.float32), mx.zeros(kv, mx.float32)
+        mx.eval(self._k, self._v)  # evaluated where made (mlx_ops.mx_matrix: streams are per thread)
 
     @property
     def n_past(self) -> int:
@@ -200,6 +201,7 @@ class MlxMtpHead:
         """Drop the KV entries of positions ≥ n_past."""
         if n_past < self.n_past:
             self._k, self._v = self._k[:, :, :n_past], self._v[:, :, :n_past]
+            self._mx.eval(self._k, self._v)  # evaluated on this thread (see __init__)
 
     def _rms(self, x: Any, name: str) -> Any:
         return self._mx.fast.rms_norm(x, self._w[name], self.config.eps)
