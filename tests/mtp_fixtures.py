@@ -307,7 +307,7 @@ def fastest_mtp_prior(rounds: int = 7):
     times (three calls each, the first a warm-up), as `pin_fastest_profile` pins the target's: the
     last cost a ``-k auto`` test left to the machine's load. Idle, its medians moved 0.25-0.37 ms a
     token across loads (the target's T(1) 1.5-1.6 ms); in a CI run (2 workers), ``ngram,mtp`` never
-    tried the agreeing fixture's head (0 of 48 cycles; 4-19 idle). Not reproduced beside two busy
+    tried the agreeing fixture's head (0 of 48 cycles; 2-19 in 11 runs here). Not reproduced beside two busy
     loops, so the cause is this asymmetry by reasoning, not by a failing run here."""
     from edgespec.drafters.mtp import MtpDrafter
 
